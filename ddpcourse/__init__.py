@@ -1,0 +1,11 @@
+"""ddpcourse: the code the DDP course's chapters, tests and autograder share.
+
+Kept light on purpose: importing the package imports nothing heavy. Use the submodules:
+
+* :mod:`ddpcourse.launcher` - ``run_ranks``: run a function in N ranks of a real process group.
+* :mod:`ddpcourse.dist_env` - set up and tear down a process group in a ``torchrun`` script.
+* :mod:`ddpcourse.toys` - tiny models and generated data sets (nothing is ever downloaded).
+* :mod:`ddpcourse.processes` - process-group, parent-death and orphan-counting helpers.
+"""
+
+__version__ = "0.1.0"

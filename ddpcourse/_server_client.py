@@ -1,0 +1,135 @@
+"""The parent's side of :mod:`ddpcourse._rank_server`: start it, send fork requests, read events.
+
+Two servers are started together the first time ranks are needed: a *fast* one that is ready as
+soon as torch is imported (~1 s) and a *warm* one that has also imported ``torch._dynamo`` (which
+any process's first optimizer pulls in, ~1.4 s more). Calls use the fast one until the warm one
+reports ready, then the fast one is shut down. So the first call is cheap and later calls that
+train a model do not pay the dynamo import in every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ddpcourse
+
+
+class RankServer:
+    def __init__(self, warm: bool):
+        env = dict(os.environ)
+        package_root = str(Path(ddpcourse.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        args = [sys.executable, "-m", "ddpcourse._rank_server", str(os.getpid())]
+        self.process = subprocess.Popen(
+            args + (["--warm"] if warm else []),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
+        self.owner_pid = os.getpid()
+        self.ready = False
+        self._buffer = b""
+        self._backlog: list[dict] = []
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def fork(self, job_dir: str, rank: int) -> None:
+        request = json.dumps({"op": "fork", "job": job_dir, "rank": rank}) + "\n"
+        self.process.stdin.write(request.encode())
+        self.process.stdin.flush()
+
+    def events(self, timeout: float) -> list[dict]:
+        """Events that arrived within ``timeout`` seconds (all that are already there, or wait for
+        the first one). Raises ``EOFError`` if the server is gone."""
+        if self._backlog:
+            events, self._backlog = self._backlog, []
+            return events
+        fd = self.process.stdout.fileno()
+        readable, _, _ = select.select([fd], [], [], max(0.0, timeout))
+        if not readable:
+            return []
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise EOFError("the rank server exited")
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        events = [json.loads(line) for line in lines if line]
+        if any(e["ev"] == "ready" for e in events):
+            self.ready = True
+        return [e for e in events if e["ev"] != "ready"]
+
+    def poll_ready(self) -> bool:
+        """Non-blocking: has the server finished preloading? Keeps other events for later."""
+        if not self.ready and self.alive:
+            try:
+                self._backlog.extend(self.events(0.0))
+            except EOFError:
+                pass
+        return self.ready
+
+    def close(self) -> None:
+        if self.process.stdin and not self.process.stdin.closed:
+            try:
+                self.process.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.process.stdout:
+            self.process.stdout.close()
+
+
+class ServerPool:
+    """Hands out the best rank server available right now (see the module docstring)."""
+
+    def __init__(self):
+        self.fast: RankServer | None = None
+        self.warm: RankServer | None = None
+
+    def start(self) -> None:
+        if self.warm is not None and self.warm.owner_pid != os.getpid():
+            # We are a forked copy of the process that started them: they are not ours to use.
+            self.fast = self.warm = None
+        if self.warm is None or not self.warm.alive:
+            self.warm = RankServer(warm=True)
+            if self.fast is None or not self.fast.alive:
+                self.fast = RankServer(warm=False)
+
+    def get(self) -> RankServer:
+        self.start()
+        if self.fast is not None and (self.warm.poll_ready() or not self.fast.alive):
+            self.fast.close()
+            self.fast = None
+        return self.fast or self.warm
+
+    def wait_until_warm(self, timeout: float = 120.0) -> None:
+        self.start()
+        deadline = time.monotonic() + timeout
+        while not self.warm.poll_ready():
+            if time.monotonic() > deadline or not self.warm.alive:
+                raise RuntimeError("the warm rank server did not become ready")
+            time.sleep(0.02)
+        self.get()
+
+    def close(self) -> None:
+        for server in (self.fast, self.warm):
+            if server is not None and server.owner_pid == os.getpid():
+                server.close()
+        self.fast = self.warm = None
+
+
+pool = ServerPool()
+atexit.register(pool.close)
