@@ -14,11 +14,8 @@ from typing import Any, Callable
 
 @dataclass
 class JobSpec:
-    """Everything a rank needs, pickled by value (cloudpickle) by the parent."""
+    """How to run the ranks: plain data, loadable before the caller's ``sys.path`` is in place."""
 
-    fn: Callable[..., Any]
-    args: tuple
-    kwargs: dict
     world_size: int
     backend: str
     timeout_s: float
@@ -28,6 +25,16 @@ class JobSpec:
     environ: dict[str, str]
     cwd: str
     sys_path: list[str]
+    sources: dict  # in-memory linecache entries (notebook cells) for readable tracebacks
+
+
+@dataclass
+class JobCall:
+    """What to run, pickled by value (cloudpickle); loaded once the caller's context is adopted."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
 
 
 class JobFiles:
@@ -42,6 +49,10 @@ class JobFiles:
     @property
     def spec(self) -> str:
         return self._path("job.pkl")
+
+    @property
+    def call(self) -> str:
+        return self._path("call.pkl")
 
     @property
     def store(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import faulthandler
 import io
+import linecache
 import os
 import pickle
 import random
@@ -24,7 +25,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ddpcourse._job import JobFiles, JobSpec
+from ddpcourse._job import JobCall, JobFiles, JobSpec
 from ddpcourse.processes import set_parent_death_signal
 
 _EXIT_FAILED = 1
@@ -67,6 +68,7 @@ def _adopt_parent_context(spec: JobSpec, rank: int) -> None:
     except OSError:
         pass
     sys.path[:] = spec.sys_path
+    linecache.cache.update(spec.sources)
     torch.set_num_threads(spec.threads_per_rank)
 
 
@@ -122,6 +124,14 @@ def _write_atomically(path: str, payload: bytes) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _user_frames(exc: BaseException, stage: str):
+    """The traceback without this module's own frame, when the error came from ``fn``."""
+    tb = exc.__traceback__
+    if stage == "running the function" and tb is not None and tb.tb_next is not None:
+        return tb.tb_next
+    return tb
+
+
 def _report_failure(files: JobFiles, rank: int, exc: BaseException, stage: str) -> None:
     try:
         exception_bytes = cloudpickle.dumps(exc)
@@ -132,7 +142,7 @@ def _report_failure(files: JobFiles, rank: int, exc: BaseException, stage: str) 
         "stage": stage,
         "exc_type": type(exc).__name__,
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, _user_frames(exc, stage))),
         "exception": exception_bytes,
         "time": time.time(),
     }
@@ -154,11 +164,13 @@ def run_rank(job_dir: str, rank: int) -> int:
         with open(files.spec, "rb") as f:
             spec: JobSpec = pickle.load(f)
         _adopt_parent_context(spec, rank)
+        with open(files.call, "rb") as f:
+            call: JobCall = pickle.load(f)
         _seed(spec, rank)
         stage = "joining the process group"
         store = _init_process_group(spec, files, rank)
         stage = "running the function"
-        result = spec.fn(rank, spec.world_size, *spec.args, **spec.kwargs)
+        result = call.fn(rank, spec.world_size, *call.args, **call.kwargs)
         stage = "sending the return value back"
         _write_atomically(files.result(rank), cloudpickle.dumps(to_cpu(result)))
         stage = "waiting for the other ranks to finish"

@@ -124,6 +124,9 @@ class ServerPool:
             time.sleep(0.02)
         self.get()
 
+    def server_pids(self) -> set[int]:
+        return {s.process.pid for s in (self.fast, self.warm) if s is not None and s.alive}
+
     def close(self) -> None:
         for server in (self.fast, self.warm):
             if server is not None and server.owner_pid == os.getpid():

@@ -37,14 +37,14 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 from typing import Any, Callable
 
-import cloudpickle
-
-from ddpcourse._job import JobFiles, JobSpec
+from ddpcourse import _pickling
+from ddpcourse._job import JobCall, JobFiles, JobSpec
 from ddpcourse._output import RankOutput
 from ddpcourse._server_client import RankServer, pool
 from ddpcourse.processes import kill_process_group
@@ -101,6 +101,11 @@ def wait_until_warm(timeout: float = 120.0) -> None:
         pool.wait_until_warm(timeout)
 
 
+def rank_server_pids() -> set[int]:
+    """Pids of the long-lived rank servers (so orphan checks can tell them from leftovers)."""
+    return pool.server_pids()
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -144,9 +149,6 @@ def run_ranks(
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
     backend = resolve_backend(backend, world_size)
     spec = JobSpec(
-        fn=fn,
-        args=args,
-        kwargs=kwargs,
         world_size=world_size,
         backend=backend,
         timeout_s=float(timeout),
@@ -155,10 +157,11 @@ def run_ranks(
         init_process_group=init_process_group,
         environ={**os.environ, **(env or {})},
         cwd=os.getcwd(),
-        sys_path=list(__import__("sys").path),
+        sys_path=list(sys.path),
+        sources=_pickling.in_memory_sources(),
     )
     try:
-        payload = cloudpickle.dumps(spec)
+        payload = _pickling.dumps(JobCall(fn, args, kwargs))
     except Exception as exc:
         raise TypeError(
             f"run_ranks could not send {getattr(fn, '__name__', fn)!r} and its arguments to the "
@@ -172,6 +175,8 @@ def run_ranks(
         try:
             files = JobFiles(job_dir)
             with open(files.spec, "wb") as f:
+                pickle.dump(spec, f)
+            with open(files.call, "wb") as f:
                 f.write(payload)
             call = _Call(server, files, spec, relay_output, max_output_bytes)
             return call.run()
@@ -283,29 +288,37 @@ class _Call:
         return RankError(failures + stopped, self.spec.world_size, self.spec.backend)
 
     def _timeout_error(self) -> RankTimeoutError:
-        running = [r for r in range(self.spec.world_size) if r not in self.exitcodes]
-        for rank in running:
+        unfinished = [r for r in range(self.spec.world_size) if r not in self.exitcodes]
+        stuck = [r for r in unfinished if not os.path.exists(self.files.result(r))]
+        for rank in stuck:
             if rank in self.pids:
                 try:
                     os.kill(self.pids[rank], signal.SIGUSR1)
                 except ProcessLookupError:
                     pass
-        time.sleep(STACK_DUMP_GRACE_S)
-        failures = []
-        for rank in running:
-            failure = RankFailure(rank, "timeout", output_tail=self.outputs[rank].tail())
-            failure.stack = self._read_stacks(rank) or "(no stack: the rank had not started yet)"
-            if os.path.exists(self.files.result(rank)):
-                failure.message = "it had returned and was waiting for the other ranks"
-            failures.append(failure)
-        finished = [r for r in range(self.spec.world_size) if r not in running]
+        self._wait_for_stacks(stuck)
+        failures = [
+            RankFailure(rank, "timeout", output_tail=self.outputs[rank].tail(),
+                        stack=self._read_stacks(rank) or "(no stack: the rank had not started)")
+            for rank in stuck
+        ]
+        finished = [r for r in range(self.spec.world_size) if r not in stuck]
         intro = (
-            f"rank(s) {running} did not finish within {self.spec.timeout_s:g} s"
-            + (f"; rank(s) {finished} did" if finished else "")
-            + ". A deadlock (mismatched collectives, a recv with no send), an endless loop or a"
-            " long sleep"
+            f"rank(s) {stuck} did not finish within {self.spec.timeout_s:g} s"
+            + (f"; rank(s) {finished} returned" if finished else "")
+            + ". Typical causes: a deadlock (mismatched collectives, a recv with no send), an"
+            " endless loop, a long sleep"
         )
         return RankTimeoutError(failures, self.spec.world_size, self.spec.backend, intro=intro)
+
+    def _wait_for_stacks(self, ranks: list[int]) -> None:
+        give_up = time.monotonic() + STACK_DUMP_GRACE_S
+        while time.monotonic() < give_up:
+            if all(os.path.getsize(self.files.stacks(r)) > 0 for r in ranks
+                   if os.path.exists(self.files.stacks(r))):
+                time.sleep(0.02)  # let the dump of the last threads land
+                return
+            time.sleep(0.01)
 
     def _read_stacks(self, rank: int) -> str:
         try:
@@ -332,11 +345,14 @@ class _Call:
             kill_process_group(pid, signal.SIGKILL, group_only=True)
 
 
+_LAUNCHER_FILES = ("ddpcourse/_rank_server.py", "ddpcourse/_rank_child.py", "<frozen runpy>")
+
+
 def _strip_launcher_frames(stacks: str) -> str:
     """faulthandler prints the innermost frame first; drop the launcher's own outer frames."""
     kept = []
     for line in stacks.splitlines():
-        if "ddpcourse/_rank_server.py" in line or "<frozen runpy>" in line:
+        if any(part in line for part in _LAUNCHER_FILES):
             continue
         kept.append(line)
     return "\n".join(kept)

@@ -1,0 +1,33 @@
+"""Shared fixtures: a warm rank server for the whole session, and an orphan check per test."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ddpcourse.launcher import prestart, rank_server_pids
+from ddpcourse.processes import live_descendants
+
+
+def pytest_sessionstart(session):
+    prestart()  # the rank servers import torch while pytest collects
+
+
+def leftover_processes(grace_s: float = 3.0) -> set[int]:
+    """Descendants of this test process other than the rank servers, after a short grace."""
+    give_up = time.monotonic() + grace_s
+    while True:
+        left = live_descendants() - rank_server_pids()
+        if not left or time.monotonic() > give_up:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def no_orphans():
+    """Fail the test if it leaves any process running behind it."""
+    before = live_descendants() - rank_server_pids()
+    yield
+    left = leftover_processes() - before
+    assert not left, f"processes left running after the test: {sorted(left)}"
