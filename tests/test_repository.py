@@ -1,0 +1,76 @@
+"""The repository keeps its promises: layout, one dependency list, CI running the README."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+CONDA_NAMES = {"torch": "pytorch"}  # pip name -> conda-forge name, where they differ
+
+
+def test_the_design_cards_layout_exists():
+    for folder in ["chapters", "solutions", "exercises", "autograder", "tests", "ddpcourse"]:
+        assert (ROOT / folder).is_dir(), folder
+    for file in ["environment.yml", "README.md", "pyproject.toml", ".ci/run"]:
+        assert (ROOT / file).is_file(), file
+
+
+def pyproject_requirements() -> dict[str, str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {}
+    for line in project["dependencies"] + project["optional-dependencies"]["dev"]:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate({"python_version": "3.11"}):
+            wanted[CONDA_NAMES.get(req.name, req.name)] = str(req.specifier)
+    return wanted
+
+
+def conda_requirements() -> dict[str, str]:
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    found = {}
+    for dep in env["dependencies"]:
+        if isinstance(dep, str) and not re.match(r"^(python|pip)\b", dep):
+            name, spec = re.match(r"^([A-Za-z0-9_.-]+)\s*(.*)$", dep).groups()
+            found[name] = spec.replace(" ", "")
+    return found
+
+
+def test_environment_yml_lists_the_same_dependencies_as_pyproject():
+    assert conda_requirements() == pyproject_requirements()
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    quickstart = [b.strip() for b in blocks[:2]]
+    assert all("\n" not in c for c in quickstart), "each quickstart command is one line"
+    return quickstart
+
+
+def test_ci_runs_the_readmes_two_quickstart_commands_verbatim():
+    demo, tests = readme_commands()
+    assert "torchrun" in demo and tests.endswith("pytest")
+    ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
+    assert demo in ci_lines and tests in ci_lines
+    assert ci_lines.index(tests) == max(i for i, line in enumerate(ci_lines) if line), (
+        "the test command is the last thing CI runs, so its exit code is CI's"
+    )
+    assert "set -euo pipefail" in ci_lines
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "chapters").glob("*/*.py")), ids=str)
+def test_every_chapter_script_starts_with_its_launch_command(script):
+    doc = script.read_text().split('"""')[1]
+    first_command = next(line.strip() for line in doc.splitlines() if line.startswith("    "))
+    assert first_command.startswith(("torchrun ", "python ", "srun ", "sbatch ")), first_command
+    assert str(script.relative_to(ROOT)) in first_command
