@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = sorted((ROOT / "chapters").glob("*/*.py"))
+# A script whose docstring says "Launch test: custom" needs more than one command (two "nodes",
+# a failing worker); its chapter's own test file launches it.
+CUSTOM = "Launch test: custom"
+SCRIPTS = sorted(p for p in (ROOT / "chapters").glob("*/*.py")
+                 if not p.name.startswith("_") and CUSTOM not in p.read_text())
 
 
 def launch_command(script: Path) -> str:
