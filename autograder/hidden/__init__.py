@@ -1,0 +1,1 @@
+"""Grader-only checks. Hidden test cells import them, so feedback shows a call, not the checks."""

@@ -1,0 +1,35 @@
+"""Hidden checks for chapter 05: world sizes 1-4, odd lengths, dtypes, seeds, forbidden shortcuts."""
+
+from __future__ import annotations
+
+from ddpcourse.grading.ch05 import average_gradients_case, ring_allreduce_case
+from ddpcourse.grading.checks import run_student
+
+
+def _hidden(case, world_size, fn, *args):
+    run_student(case, world_size, fn, *args, hide_internals=True)
+
+
+def check_average_gradients(average_gradients) -> None:
+    for world_size in (1, 3, 4):
+        _hidden(average_gradients_case, world_size, average_gradients, "float32", True, False, 7)
+    _hidden(average_gradients_case, 2, average_gradients, "float64", True, False, 11)
+    _hidden(average_gradients_case, 3, average_gradients, "float32", True, True, 5)  # tied
+
+
+def check_ring_allreduce(ring_allreduce) -> None:
+    cases = [
+        (1, (5,), "float32", 1),
+        (2, (1,), "int64", 2),
+        (2, (3, 5), "float64", 3),
+        (3, (1,), "float32", 4),
+        (3, (11,), "int64", 5),
+        (4, (3,), "float64", 6),
+        (4, (13,), "int64", 7),
+        (4, (4, 9), "float32", 8),
+    ]
+    for world_size, shape, dtype, seed in cases:
+        _hidden(ring_allreduce_case, world_size, ring_allreduce, shape, dtype, seed)
+    # bandwidth: every rank's bytes within the ring bounds, also for uneven chunks
+    for world_size, numel in [(3, 999), (4, 1001)]:
+        _hidden(ring_allreduce_case, world_size, ring_allreduce, (numel,), "float64", 9, True)

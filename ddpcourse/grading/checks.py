@@ -1,0 +1,132 @@
+"""Run a student's function in clean ranks, compare with a trusted reference, explain failures.
+
+The student's function is pickled by value in the notebook's kernel and rebuilt inside each rank
+only after the rank's check has set up its audit, so whatever it calls resolves in a process that
+never ran the rest of the notebook. Failures are turned into one :class:`CheckFailed` whose message
+says, per rank, what was expected and what came back. Hidden checks pass ``hide_internals=True``
+so their own code never shows up in a student's feedback.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+
+from ddpcourse.grading import integrity
+from ddpcourse.launcher import RankError, run_ranks
+from ddpcourse.rank_errors import RankFailure
+
+CHECK_TIMEOUT_S = 30.0
+_HIDDEN_PATH_MARK = "autograder/hidden"
+
+
+class CheckFailed(AssertionError):
+    """A check found a wrong result; the message is written for the student."""
+
+
+def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Callable, *args,
+                timeout: float = CHECK_TIMEOUT_S, hide_internals: bool = False) -> list[Any]:
+    """Run ``rank_check(rank, world_size, student_fn, *args)`` in ``world_size`` ranks."""
+    integrity.assert_untampered()
+    if not callable(student_fn):
+        raise CheckFailed(f"expected a function, got {type(student_fn).__name__}")
+    try:
+        payload = cloudpickle.dumps(student_fn)
+    except Exception as exc:
+        raise CheckFailed(
+            f"{getattr(student_fn, '__name__', 'your function')} cannot be sent to the ranks "
+            f"({type(exc).__name__}: {exc}); it must not use locks, open files or sockets "
+            "created outside it"
+        ) from None
+    try:
+        return run_ranks(_in_rank, world_size, rank_check, payload, args, timeout=timeout,
+                         seed=0, max_output_bytes=20_000)
+    except RankError as err:
+        raise CheckFailed(explain(err, hide_internals)) from None
+
+
+def _in_rank(rank: int, world_size: int, rank_check, payload: bytes, args: tuple):
+    student_fn = pickle.loads(payload)
+    return rank_check(rank, world_size, student_fn, *args)
+
+
+def explain(err: RankError, hide_internals: bool) -> str:
+    lines = []
+    for failure in err.failures:
+        if failure.kind == "stopped":
+            continue
+        lines.append(_explain_one(failure, hide_internals))
+    return "\n".join(lines)
+
+
+def _explain_one(failure: RankFailure, hide_internals: bool) -> str:
+    rank = f"rank {failure.rank}"
+    if failure.kind == "raised" and failure.exc_type in ("CheckFailed", "TamperingError"):
+        return f"{rank}: {failure.message}"
+    if failure.kind == "raised":
+        trace = _without_internals(failure.traceback) if hide_internals else failure.traceback
+        return f"{rank}: your code raised {failure.exc_type}: {failure.message}\n{trace}"
+    if failure.kind == "timeout":
+        stack = _without_internals(failure.stack) if hide_internals else failure.stack
+        return (f"{rank}: did not finish before the deadline (a deadlock? every send needs a "
+                f"matching recv on the peer). Where it was:\n{stack}")
+    return f"{rank}: {failure.message or failure.headline()}"
+
+
+def _without_internals(text: str) -> str:
+    kept, skipping = [], False
+    for line in text.splitlines():
+        if line.strip().startswith("File "):
+            skipping = _HIDDEN_PATH_MARK in line
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def expect_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5,
+                 atol: float = 1e-6) -> None:
+    """Raise CheckFailed saying where and by how much ``actual`` differs from ``expected``."""
+    if actual.shape != expected.shape:
+        raise CheckFailed(f"{what}: expected shape {tuple(expected.shape)}, got "
+                          f"{tuple(actual.shape)}")
+    if actual.dtype != expected.dtype:
+        raise CheckFailed(f"{what}: expected dtype {expected.dtype}, got {actual.dtype}")
+    if expected.dtype.is_floating_point:
+        ok = torch.allclose(actual, expected, rtol=rtol, atol=atol)
+    else:
+        ok = torch.equal(actual, expected)
+    if not ok:
+        diff = (actual.double() - expected.double()).abs()
+        worst = int(diff.reshape(-1).argmax())
+        raise CheckFailed(
+            f"{what}: expected {_preview(expected)}, got {_preview(actual)} (largest difference "
+            f"{diff.reshape(-1)[worst].item():.3g} at flat index {worst})"
+        )
+
+
+def _preview(t: torch.Tensor, n: int = 6) -> str:
+    flat = t.reshape(-1)
+    values = ", ".join(f"{v:.4g}" if t.dtype.is_floating_point else str(int(v))
+                       for v in flat[:n].tolist())
+    return f"[{values}{', ...' if flat.numel() > n else ''}]"
+
+
+def ring_traffic_bounds(numel: int, world_size: int, itemsize: int) -> tuple[int, int]:
+    """Bytes one rank may send in a bandwidth-optimal all-reduce of ``numel`` elements.
+
+    A ring sends every chunk but one in reduce-scatter and again in all-gather:
+    2 * (numel - one chunk) elements, i.e. about 2(N-1)/N of the tensor. The upper bound allows
+    25% over that ideal plus one element per step for uneven chunks; sending the whole tensor to
+    each of N-1 peers, (N-1)/(2(N-1)/N) = N/2 times the ideal, exceeds it from N = 3 on (at N = 2
+    the two are the same thing).
+    """
+    if world_size == 1:
+        return 0, 0
+    ideal = 2 * (world_size - 1) / world_size * numel * itemsize
+    lower = 2 * (numel - math.ceil(numel / world_size)) * itemsize
+    upper = int(1.25 * ideal) + 2 * (world_size - 1) * itemsize
+    return lower, upper

@@ -1,0 +1,96 @@
+"""The locked setup cell of every exercise notebook calls :func:`setup_notebook`.
+
+It protects the grading of a whole class from a few honest mistakes that would otherwise make
+nbgrader drop a submission entirely (see shared GRADING_NOTES): code that blocks or kills the
+notebook's own kernel. In the kernel (never in the ranks):
+
+* ``torch.distributed.init_process_group`` raises at once instead of waiting forever for peers
+  that do not exist: a process group belongs inside a function run with ``run_ranks``;
+* ``os._exit`` called from a notebook cell raises instead of killing the kernel;
+* each cell's printed output is capped, so a runaway print loop cannot produce 100 MB;
+* the rank servers start, and the integrity snapshot is taken before any student code runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ddpcourse import launcher
+from ddpcourse.grading import integrity
+
+MAX_CELL_OUTPUT_BYTES = 200_000
+
+
+class KernelGuardError(RuntimeError):
+    """Raised instead of an action that would block or kill the notebook's kernel."""
+
+
+def _refuse_init_process_group(*args, **kwargs):
+    raise KernelGuardError(
+        "init_process_group() in the notebook's own kernel would wait forever for ranks that do "
+        "not exist. Create process groups inside a function that you run with "
+        "run_ranks(fn, world_size): it starts the ranks and their process group for you."
+    )
+
+
+def _is_cell_code(filename: str) -> bool:
+    return filename.startswith("<ipython-input") or "ipykernel_" in filename
+
+
+def _guarded_exit(real_exit):
+    def _exit(code: int = 0):
+        caller = sys._getframe(1).f_code.co_filename
+        if _is_cell_code(caller):
+            raise KernelGuardError(f"os._exit({code}) in a notebook cell would kill the kernel")
+        real_exit(code)
+
+    return _exit
+
+
+class _CappedStream:
+    """Wraps the kernel's stdout/stderr; drops output past the cap until the next cell."""
+
+    def __init__(self, stream, cap: int):
+        self._stream = stream
+        self._cap = cap
+        self.written = 0
+        self.warned = False
+
+    def write(self, text):
+        if self.written >= self._cap:
+            if not self.warned:
+                self.warned = True
+                self._stream.write(f"\n... output of this cell cut at {self._cap} bytes ...\n")
+            return len(text)
+        self.written += len(text)
+        return self._stream.write(text)
+
+    def reset(self, *_unused):
+        self.written = 0
+        self.warned = False
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def setup_notebook(max_cell_output_bytes: int = MAX_CELL_OUTPUT_BYTES) -> None:
+    """Make this kernel safe to grade (see the module docstring). Idempotent."""
+    try:
+        ipython = get_ipython()  # noqa: F821 - defined inside IPython only
+    except NameError:
+        ipython = None
+    if ipython is not None and not getattr(setup_notebook, "_done", False):
+        dist.init_process_group = _refuse_init_process_group
+        c10d.init_process_group = _refuse_init_process_group
+        os._exit = _guarded_exit(os._exit)
+        for name in ("stdout", "stderr"):
+            capped = _CappedStream(getattr(sys, name), max_cell_output_bytes)
+            setattr(sys, name, capped)
+            ipython.events.register("pre_run_cell", capped.reset)
+        setup_notebook._done = True
+    launcher.prestart()
+    integrity.snapshot()
