@@ -13,14 +13,14 @@ import math
 import pickle
 from typing import Any, Callable
 
-import cloudpickle
 import torch
 
+from ddpcourse import _pickling
 from ddpcourse.grading import integrity
 from ddpcourse.launcher import RankError, run_ranks
 from ddpcourse.rank_errors import RankFailure
 
-CHECK_TIMEOUT_S = 30.0
+CHECK_TIMEOUT_S = 15.0
 _HIDDEN_PATH_MARK = "autograder/hidden"
 
 
@@ -35,7 +35,7 @@ def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Cal
     if not callable(student_fn):
         raise CheckFailed(f"expected a function, got {type(student_fn).__name__}")
     try:
-        payload = cloudpickle.dumps(student_fn)
+        payload = _pickling.dumps(student_fn)
     except Exception as exc:
         raise CheckFailed(
             f"{getattr(student_fn, '__name__', 'your function')} cannot be sent to the ranks "

@@ -13,6 +13,7 @@ notebook's own kernel. In the kernel (never in the ranks):
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -77,8 +78,18 @@ class _CappedStream:
         return getattr(self._stream, name)
 
 
-def setup_notebook(max_cell_output_bytes: int = MAX_CELL_OUTPUT_BYTES) -> None:
-    """Make this kernel safe to grade (see the module docstring). Idempotent."""
+def setup_notebook(grader_modules: list[str] = (),
+                   max_cell_output_bytes: int = MAX_CELL_OUTPUT_BYTES) -> None:
+    """Make this kernel safe to grade (see the module docstring). Idempotent.
+
+    ``grader_modules`` (hidden checks) are imported now when they exist - they do only where the
+    notebook is graded - so that the integrity snapshot covers them too.
+    """
+    for name in grader_modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
     try:
         ipython = get_ipython()  # noqa: F821 - defined inside IPython only
     except NameError:

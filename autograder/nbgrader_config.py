@@ -1,0 +1,41 @@
+"""nbgrader configuration for the course (nbgrader 0.9.6).
+
+Used two ways:
+* ``python -m autograder ...`` loads this file and points the course directory at a private work
+  folder per student (see autograder/grade.py);
+* instructors may also call nbgrader directly from the repository root:
+  ``nbgrader generate_assignment 05_allreduce --config autograder/nbgrader_config.py``.
+
+Timeouts, from the inside out: a check's ``run_ranks`` call gives up after 15 s
+(ddpcourse.grading.checks.CHECK_TIMEOUT_S); a test cell makes at most 12 such calls, one at a time,
+but stops at the first failure, so a hanging submission fails a cell after ~15 s and a correct one
+passes in a few seconds. Each cell gets ``Execute.timeout`` = 240 s; the whole submission gets a
+hard deadline in the grading worker (autograder/grade.py).
+"""
+
+from pathlib import Path
+
+c = get_config()  # noqa: F821 - provided by traitlets when nbgrader loads this file
+
+REPO = Path(__file__).resolve().parent.parent
+
+c.CourseDirectory.root = str(REPO)
+c.CourseDirectory.source_directory = "solutions"
+c.CourseDirectory.release_directory = "exercises"
+c.CourseDirectory.submitted_directory = "autograder/course/submitted"
+c.CourseDirectory.autograded_directory = "autograder/course/autograded"
+c.CourseDirectory.feedback_directory = "autograder/course/feedback"
+c.CourseDirectory.db_url = f"sqlite:///{REPO / 'autograder/course/gradebook.db'}"
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "*.db", "*.db-journal"]
+
+c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
+c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
+
+c.Execute.timeout = 240
+c.Execute.interrupt_on_timeout = True
+c.Execute.startup_timeout = 120
+
+# A deleted test cell comes back (and is graded), instead of silently losing its points.
+c.OverwriteCells.add_missing_cells = True
+c.LimitOutput.max_lines = 300
+c.LimitOutput.max_traceback = 80

@@ -1,0 +1,80 @@
+"""Execute an exercise notebook and report each graded test cell: the engine of the self-check.
+
+``pytest exercises/05_allreduce`` (see exercises/conftest.py) and the repository's own tests both
+use :func:`run_test_cells`. It executes the notebook once, in a fresh kernel started in the
+notebook's folder, with the same per-cell timeout and interrupt behaviour as nbgrader, and then
+reads each test cell's outputs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import DeadKernelError
+
+from ddpcourse.grading.authoring_marks import HIDDEN_MARK
+
+DEFAULT_CELL_TIMEOUT_S = 240
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class CellResult:
+    grade_id: str
+    points: float
+    passed: bool | None  # None: a hidden-tests cell of a student release (nothing to run yet)
+    message: str
+    source: str
+
+
+def _error_text(cell) -> str:
+    for output in cell.get("outputs", []):
+        if output.output_type == "error":
+            trace = _ANSI.sub("", "\n".join(output.get("traceback", [])))
+            return f"{output.ename}: {output.evalue}\n{trace}"
+    return ""
+
+
+def run_test_cells(path: Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT_S,
+                   extra_pythonpath: list[str] = ()) -> list[CellResult]:
+    path = Path(path).resolve()
+    nb = nbformat.read(path, as_version=4)
+    env_before = os.environ.get("PYTHONPATH")
+    if extra_pythonpath:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*extra_pythonpath, env_before or ""])
+    died = ""
+    try:
+        client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3",
+                                allow_errors=True, interrupt_on_timeout=True,
+                                resources={"metadata": {"path": str(path.parent)}})
+        client.execute()
+    except DeadKernelError as exc:
+        died = f"the notebook's kernel died ({exc}); cells after that point did not run"
+    finally:
+        if extra_pythonpath:
+            if env_before is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = env_before
+    results = []
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type != "code" or not meta.get("grade"):
+            continue
+        hidden_only = cell.source.startswith(HIDDEN_MARK) and "BEGIN HIDDEN TESTS" not in cell.source
+        ran = cell.get("execution_count") is not None
+        error = _error_text(cell)
+        if hidden_only:
+            passed, message = None, "hidden tests: they run when the notebook is graded"
+        elif not ran:
+            passed, message = False, died or "the cell did not run"
+        else:
+            passed, message = not error, error
+        results.append(CellResult(meta["grade_id"], float(meta.get("points", 0)), passed,
+                                  message, cell.source))
+    return results
