@@ -54,23 +54,30 @@ def _proc_stat(pid: int) -> tuple[int, str] | None:
     return int(after_name[1]), after_name[0]
 
 
-def live_descendants(root: int | None = None) -> set[int]:
+def process_table() -> dict[int, tuple[int, str]]:
+    """One consistent look at every process: pid -> (parent pid, state). Linux only."""
+    table: dict[int, tuple[int, str]] = {}
+    if not Path("/proc").is_dir():
+        return table
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _proc_stat(int(entry))
+            if stat is not None:
+                table[int(entry)] = stat
+    return table
+
+
+def live_descendants(root: int | None = None, table: dict | None = None) -> set[int]:
     """Pids of every running (non-zombie) descendant of ``root`` (default: this process).
 
+    Pass one ``process_table()`` to several calls to get answers that agree with each other.
     Linux only (reads /proc); returns an empty set elsewhere.
     """
     root = os.getpid() if root is None else root
-    if not Path("/proc").is_dir():
-        return set()
+    table = process_table() if table is None else table
     children: dict[int, list[int]] = {}
-    states: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        stat = _proc_stat(int(entry))
-        if stat is not None:
-            children.setdefault(stat[0], []).append(int(entry))
-            states[int(entry)] = stat[1]
+    for pid, (parent, _state) in table.items():
+        children.setdefault(parent, []).append(pid)
     found: set[int] = set()
     stack = [root]
     while stack:
@@ -78,7 +85,7 @@ def live_descendants(root: int | None = None) -> set[int]:
             if child not in found:
                 found.add(child)
                 stack.append(child)
-    return {pid for pid in found if states.get(pid) != "Z"}
+    return {pid for pid in found if table[pid][1] != "Z"}
 
 
 def is_alive(pid: int) -> bool:

@@ -7,10 +7,12 @@ from ddpcourse.grading.checks import run_student
 
 
 def _hidden(case, world_size, fn, *args):
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     run_student(case, world_size, fn, *args, hide_internals=True)
 
 
 def check_average_gradients(average_gradients) -> None:
+    __tracebackhide__ = True  # noqa: F841
     for world_size in (1, 3, 4):
         _hidden(average_gradients_case, world_size, average_gradients, "float32", True, False, 7)
     _hidden(average_gradients_case, 2, average_gradients, "float64", True, False, 11)
@@ -18,6 +20,7 @@ def check_average_gradients(average_gradients) -> None:
 
 
 def check_ring_allreduce(ring_allreduce) -> None:
+    __tracebackhide__ = True  # noqa: F841
     cases = [
         (1, (5,), "float32", 1),
         (2, (1,), "int64", 2),

@@ -31,6 +31,7 @@ class CheckFailed(AssertionError):
 def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Callable, *args,
                 timeout: float = CHECK_TIMEOUT_S, hide_internals: bool = False) -> list[Any]:
     """Run ``rank_check(rank, world_size, student_fn, *args)`` in ``world_size`` ranks."""
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     integrity.assert_untampered()
     if not callable(student_fn):
         raise CheckFailed(f"expected a function, got {type(student_fn).__name__}")

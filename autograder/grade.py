@@ -1,0 +1,227 @@
+"""Grade a class: one isolated worker per submission, several at once, one CSV at the end.
+
+    python -m autograder grade SUBMISSIONS [--assignment 05_allreduce] [--out autograder/course]
+
+``SUBMISSIONS`` is nbgrader's ``submitted/`` layout: ``SUBMISSIONS/{student}/{assignment}/*.ipynb``.
+Each student is graded by ``autograder/worker.py`` in its own process session, course directory
+and gradebook, so submissions run in parallel with nothing shared (the ranks of every test meet
+through private FileStores: no ports). A worker that passes ``--student-timeout`` is killed with
+everything it started; this process is a child subreaper, so even processes a kernel leaves behind
+come back to it and are killed. Results: ``OUT/grades.csv`` (nbgrader export's columns, then
+``status``, ``flags``, ``notes`` and one column per test cell), ``OUT/feedback/{student}/
+{assignment}/*.html``, and a summary table on stdout.
+"""
+
+from __future__ import annotations
+
+import csv
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from autograder.nbgrader_api import REPO
+from ddpcourse.processes import kill_process_group, live_descendants, process_table
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def find_submissions(submissions: Path, assignment: str) -> dict[str, Path]:
+    if (submissions / "submitted").is_dir():
+        submissions = submissions / "submitted"
+    found = {}
+    for student_dir in sorted(p for p in submissions.iterdir() if p.is_dir()):
+        folder = student_dir / assignment
+        if folder.is_dir():
+            found[student_dir.name] = folder
+    return found
+
+
+class _Worker:
+    def __init__(self, student: str, submission: Path, assignment: str, out: Path,
+                 cell_timeout: int | None, student_timeout: float):
+        self.student = student
+        work = out / "work" / student
+        work.parent.mkdir(parents=True, exist_ok=True)
+        self.result_path = out / "work" / f"{student}.result.json"
+        self.result_path.unlink(missing_ok=True)
+        self.log_path = out / "work" / f"{student}.log"
+        job = {"student": student, "assignment": assignment, "submission": str(submission),
+               "work": str(work), "result": str(self.result_path), "cell_timeout": cell_timeout}
+        job_path = out / "work" / f"{student}.job.json"
+        job_path.write_text(json.dumps(job))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        self.log = open(self.log_path, "w")
+        self.started = time.monotonic()
+        self.deadline = self.started + student_timeout
+        self.process = subprocess.Popen([sys.executable, "-m", "autograder.worker", str(job_path)],
+                                        cwd=REPO, env=env, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.assignment = assignment
+        self.out = out
+
+    def poll(self) -> dict | None:
+        """None while running; the result once finished (or killed)."""
+        if self.process.poll() is None:
+            if time.monotonic() < self.deadline:
+                return None
+            self.kill()
+            return self._failed("grading timed out", "the submission ran past --student-timeout")
+        self._kill_leftovers()
+        self.log.close()
+        if self.result_path.exists():
+            return json.loads(self.result_path.read_text())
+        tail = self.log_path.read_text()[-3000:]
+        return self._failed("grader error", f"the grading worker exited with code "
+                                            f"{self.process.returncode}:\n{tail}")
+
+    def kill(self) -> None:
+        family = live_descendants(self.process.pid)
+        kill_process_group(self.process.pid, signal.SIGKILL)
+        for pid in family:
+            kill_process_group(pid, signal.SIGKILL)
+        self.process.wait()
+        self.log.close()
+
+    def _kill_leftovers(self) -> None:
+        for pid in live_descendants(self.process.pid):
+            kill_process_group(pid, signal.SIGKILL)
+
+    def _failed(self, status: str, why: str) -> dict:
+        from autograder.worker import _write_notice
+
+        feedback = self.out / "work" / self.student / "feedback" / self.student / self.assignment
+        for nb in (self.out / "work" / self.student / "submitted" / self.student /
+                   self.assignment).glob("*.ipynb"):
+            _write_notice(feedback / f"{nb.stem}.html", self.student, self.assignment, status, why)
+        return {"student": self.student, "assignment": self.assignment, "status": status,
+                "score": 0.0, "max_score": None, "cells": {}, "flags": [], "notes": [why],
+                "feedback": str(feedback), "seconds": round(time.monotonic() - self.started, 1)}
+
+
+def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None = None,
+                cell_timeout: int | None = None, student_timeout: float = 1800) -> list[dict]:
+    _become_subreaper()
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    pending = list(find_submissions(submissions.resolve(), assignment).items())
+    jobs = jobs or os.cpu_count() or 1
+    running: list[_Worker] = []
+    results: list[dict] = []
+    started = time.monotonic()
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                student, folder = pending.pop(0)
+                running.append(_Worker(student, folder, assignment, out, cell_timeout,
+                                       student_timeout))
+            for worker in list(running):
+                result = worker.poll()
+                if result is not None:
+                    running.remove(worker)
+                    results.append(result)
+            _reap_adopted_orphans(running)
+            time.sleep(0.2)
+    finally:
+        for worker in running:
+            worker.kill()
+        _reap_adopted_orphans([])
+    elapsed = time.monotonic() - started
+    results.sort(key=lambda r: r["student"])
+    _collect_feedback(results, out)
+    _write_csv(results, assignment, out)
+    (out / "summary.json").write_text(json.dumps(
+        {"submissions": len(results), "jobs": jobs, "seconds": round(elapsed, 1),
+         "results": results}, indent=2))
+    return results
+
+
+def _reap_adopted_orphans(running: list[_Worker]) -> None:
+    """Kill and reap processes that a finished worker's kernel left behind and that came back to
+    us as their subreaper. Only pids we adopted are reaped: the workers belong to Popen."""
+    table = process_table()
+    ours = {w.process.pid for w in running}
+    for w in running:
+        ours |= live_descendants(w.process.pid, table)
+    for pid in live_descendants(None, table) - ours:
+        try:
+            if os.getpgid(pid) == os.getpgid(0):
+                continue  # part of this very command (e.g. the caller's pipes), not a leftover
+        except ProcessLookupError:
+            continue
+        kill_process_group(pid, signal.SIGKILL)
+        if _parent_of(pid) == os.getpid():
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _collect_feedback(results: list[dict], out: Path) -> None:
+    for result in results:
+        source = Path(result["feedback"])
+        target = out / "feedback" / result["student"] / result["assignment"]
+        if target.exists():
+            shutil.rmtree(target)
+        if source.is_dir():
+            shutil.copytree(source, target)
+        result["feedback"] = str(target)
+
+
+def _write_csv(results: list[dict], assignment: str, out: Path) -> None:
+    cell_names = sorted({name for r in results for name in r["cells"]})
+    rows, header = [], None
+    for result in results:
+        export = out / "work" / result["student"] / "grades.csv"
+        row = {}
+        if export.exists():
+            with open(export) as f:
+                reader = csv.DictReader(f)
+                header = header or reader.fieldnames
+                row = next((r for r in reader if r["student_id"] == result["student"]), {})
+        row.update(assignment=assignment, student_id=result["student"],
+                   score=f"{result['score']:g}", status=result["status"],
+                   flags=" | ".join(result["flags"]), notes=" | ".join(result["notes"]))
+        if result["status"] != "graded":
+            row["raw_score"] = f"{result['score']:g}"
+        if result.get("max_score") is not None:
+            row["max_score"] = f"{result['max_score']:g}"
+        for name in cell_names:
+            score = result["cells"].get(name)
+            row[name] = "" if score is None else f"{score[0]:g}"
+        rows.append(row)
+    base = header or ["assignment", "student_id", "raw_score", "score", "max_score"]
+    fields = list(base) + ["status", "flags", "notes"] + cell_names
+    with open(out / "grades.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def print_summary(results: list[dict], out: Path) -> None:
+    summary = json.loads((out / "summary.json").read_text())
+    print(f"{'student':<16} {'score':>7} {'max':>5} {'secs':>6}  status")
+    for r in results:
+        max_score = "" if r["max_score"] is None else f"{r['max_score']:g}"
+        print(f"{r['student']:<16} {r['score']:>7g} {max_score:>5} {r['seconds']:>6}  {r['status']}")
+    print(f"{summary['submissions']} submissions in {summary['seconds']} s with "
+          f"{summary['jobs']} at a time; grades: {out / 'grades.csv'}; feedback: "
+          f"{out / 'feedback'}")

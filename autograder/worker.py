@@ -1,0 +1,185 @@
+"""Grade ONE student's submission in a private course directory (run by autograder/grade.py).
+
+    python -m autograder.worker JOB.json
+
+Steps: copy the source assignment and the submission into the work folder; scan the submission
+for tampering (from outside the kernel); put the locked setup cell back in first place if it was
+moved; ``generate_assignment`` (gradebook entries and checksums), ``autograde``,
+``generate_feedback``, ``nbgrader export``. If nbgrader dropped the submission (its kernel died
+or could not be interrupted), find out where by executing it once more, and write a feedback page
+that says so, so no student silently disappears. The result goes to ``result.json``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+
+from autograder.nbgrader_api import REPO, api_for, check, load_config
+from autograder.tamper_scan import locked_ids_of, scan_notebook
+
+SETUP_ID = "setup"
+
+
+def _setup_first(path: Path) -> bool:
+    """Move the locked setup cell before every other code cell; True if it had been moved."""
+    nb = nbformat.read(path, as_version=4)
+    setup = [i for i, c in enumerate(nb.cells)
+             if c.metadata.get("nbgrader", {}).get("grade_id") == SETUP_ID]
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    if not setup or not code or setup[0] == code[0]:
+        return False
+    cell = nb.cells.pop(setup[0])
+    nb.cells.insert(code[0], cell)
+    nbformat.write(nb, path)
+    return True
+
+
+def _scores(config, assignment: str, student: str) -> tuple[float, float, dict]:
+    from nbgrader.api import Gradebook
+
+    from nbgrader.api import MissingEntry
+
+    with Gradebook(config.CourseDirectory.db_url) as gb:
+        try:
+            submission = gb.find_submission(assignment, student)
+        except MissingEntry:
+            return 0.0, float(gb.find_assignment(assignment).max_score), {}
+        cells = {}
+        for notebook in submission.notebooks:
+            for grade in notebook.grades:
+                cells[grade.name] = [float(grade.score or 0.0), float(grade.max_score)]
+        return float(submission.score or 0.0), float(submission.max_score), cells
+
+
+def _export(config, assignment: str, student: str, dest: Path) -> None:
+    from nbgrader.api import Gradebook
+    from nbgrader.plugins import CsvExportPlugin
+
+    plugin = CsvExportPlugin(to=str(dest), assignment=[assignment], student=[student])
+    with Gradebook(config.CourseDirectory.db_url) as gb:
+        plugin.export(gb)
+
+
+def _diagnose_dropped(notebook: Path, cell_timeout: int) -> str:
+    """Execute the (sanitised) submission once more to find the cell that killed its kernel."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+    nb = nbformat.read(notebook, as_version=4)
+    client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", allow_errors=True,
+                            interrupt_on_timeout=False,
+                            resources={"metadata": {"path": str(notebook.parent)}})
+    executed = [-1]
+
+    def remember(cell, cell_index, **_):
+        executed[0] = cell_index
+
+    client.on_cell_execute = remember
+    try:
+        client.execute()
+    except DeadKernelError:
+        return _cell_report(nb, executed[0], "the notebook's kernel died while running it")
+    except CellTimeoutError:
+        return _cell_report(nb, executed[0], "it blocked the kernel, which could not be "
+                                              "interrupted")
+    except Exception as exc:  # noqa: BLE001 - anything that stops execution is the answer
+        return _cell_report(nb, executed[0], f"running it failed: {type(exc).__name__}: {exc}")
+    return "the notebook ran to the end when re-executed; nbgrader's log has the details"
+
+
+def _cell_report(nb, index: int, what: str) -> str:
+    if index < 0:
+        return what
+    source = nb.cells[index].source
+    head = "\n".join(source.splitlines()[:12])
+    return f"code cell {index + 1} (of the notebook's {len(nb.cells)} cells): {what}.\n\n{head}"
+
+
+def _write_notice(dest: Path, student: str, assignment: str, title: str, body: str) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(assignment)}: {html.escape(student)}</title></head><body>"
+        f"<h1>{html.escape(assignment)} &mdash; {html.escape(title)}</h1>"
+        f"<p>Student: {html.escape(student)}. Score: 0.</p>"
+        f"<pre>{html.escape(body)}</pre>"
+        "<p>Fix the cause, check your notebook with <code>pytest exercises/"
+        f"{html.escape(assignment)}</code>, and ask your instructor to grade it again.</p>"
+        "</body></html>"
+    )
+
+
+def grade_one(job: dict) -> dict:
+    started = time.monotonic()
+    student, assignment = job["student"], job["assignment"]
+    work = Path(job["work"])
+    if work.exists():
+        shutil.rmtree(work)
+    source = work / "source" / assignment
+    shutil.copytree(REPO / "solutions" / assignment, source)
+    submitted = work / "submitted" / student / assignment
+    shutil.copytree(job["submission"], submitted)
+    config = load_config(work, cell_timeout=job.get("cell_timeout"), source_directory="source",
+                         submitted_directory="submitted", autograded_directory="autograded",
+                         feedback_directory="feedback", release_directory="release")
+    api = api_for(config)
+
+    locked = set().union(*(locked_ids_of(p) for p in source.glob("*.ipynb")))
+    flags = [str(f) for nb in sorted(submitted.glob("*.ipynb")) for f in scan_notebook(nb, locked)]
+    moved = [nb.name for nb in sorted(submitted.glob("*.ipynb")) if _setup_first(nb)]
+
+    check(api.generate_assignment(assignment, force=True, create=True), "generate_assignment")
+    autograde = api.autograde(assignment, student, force=True, create=True)
+    autograded = work / "autograded" / student / assignment
+    status, notes = "graded", []
+    if moved:
+        notes.append(f"the setup cell had been moved; it was put back first in {moved}")
+    feedback_dir = work / "feedback" / student / assignment
+    if autograded.exists() and any(autograded.glob("*.ipynb")):
+        check(api.generate_feedback(assignment, student, force=True), "generate_feedback")
+    else:
+        status = "dropped by nbgrader"
+        reasons = [f"{nb.name}: {_diagnose_dropped(nb, config.Execute.timeout)}"
+                   for nb in sorted(submitted.glob("*.ipynb"))]
+        notes.extend(reasons)
+        for nb in sorted(submitted.glob("*.ipynb")):
+            _write_notice(feedback_dir / f"{nb.stem}.html", student, assignment,
+                          "could not be graded",
+                          "nbgrader could not grade this notebook: its kernel died or could "
+                          "not be interrupted, so no test ran to completion.\n\n"
+                          + "\n\n".join(reasons) + "\n\nnbgrader's log:\n"
+                          + (autograde.get("log") or "")[-4000:])
+    score, max_score, cells = _scores(config, assignment, student)
+    if flags:
+        status, score = "flagged for tampering", 0.0
+        notes.append("tampering found by the static scan: " + "; ".join(flags))
+        for page in feedback_dir.glob("*.html"):
+            page.unlink()
+        for nb in sorted(submitted.glob("*.ipynb")):
+            _write_notice(feedback_dir / f"{nb.stem}.html", student, assignment,
+                          "flagged for review",
+                          "The notebook changes functions that the tests rely on, so its "
+                          "test results cannot be trusted; it scores 0 until your instructor "
+                          "has reviewed it.\n\n" + "\n".join(flags))
+    _export(config, assignment, student, work / "grades.csv")
+    return {"student": student, "assignment": assignment, "status": status, "score": score,
+            "max_score": max_score, "cells": cells, "flags": flags, "notes": notes,
+            "feedback": str(feedback_dir), "seconds": round(time.monotonic() - started, 1)}
+
+
+def main() -> int:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    result = grade_one(job)
+    Path(job["result"]).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
