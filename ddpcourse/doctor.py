@@ -161,7 +161,8 @@ def check_cuda() -> CheckResult:
     if not torch.cuda.is_available():
         if torch.version.cuda is None:
             return CheckResult(
-                "CUDA", SKIP, "no CUDA: this torch is a CPU-only build (torch.version.cuda is None)",
+                "CUDA", SKIP,
+                "no CUDA: this torch is a CPU-only build (torch.version.cuda is None)",
                 "Nothing to do for this course: every chapter runs on CPU with gloo. For GPU "
                 "training install a CUDA build that matches your driver (pytorch.org selector).")
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)")
@@ -280,7 +281,8 @@ def check_free_port() -> CheckResult:
 
 
 def check_master_port(port: int | None = None) -> CheckResult:
-    """Is MASTER_PORT (or the default 29500) free? A stuck rank from an earlier run often holds it."""
+    """Is MASTER_PORT (or the default 29500) free? A stuck rank from an earlier run often holds
+    it."""
     port = port or int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))
     name = f"port {port}"
     try:
@@ -373,7 +375,8 @@ def format_report(results: Sequence[CheckResult], width: int = 100) -> str:
     for r in results:
         head = f"[{r.status.upper():4}] {r.name:<{name_width}}  "
         first, *rest = r.detail.splitlines() or [""]
-        lines.append(textwrap.fill(first, width, initial_indent=head, subsequent_indent=indent, break_on_hyphens=False))
+        lines.append(textwrap.fill(first, width, initial_indent=head, subsequent_indent=indent,
+                                   break_on_hyphens=False))
         lines.extend(indent + line for line in rest)
         if r.status != PASS and r.advice:
             lines.append(textwrap.fill(r.advice, width, initial_indent=indent + "what to do: ",

@@ -8,7 +8,7 @@ notebook's own kernel. In the kernel (never in the ranks):
   that do not exist: a process group belongs inside a function run with ``run_ranks``;
 * ``os._exit`` called from a notebook cell raises instead of killing the kernel;
 * each cell's printed output is capped, so a runaway print loop cannot produce 100 MB;
-* the rank servers start, and the integrity snapshot is taken before any student code runs.
+* the rank servers start (and the call waits until the warm one is ready), and the integrity snapshot is taken before any student code runs.
 """
 
 from __future__ import annotations
@@ -103,5 +103,7 @@ def setup_notebook(grader_modules: list[str] = (),
             setattr(sys, name, capped)
             ipython.events.register("pre_run_cell", capped.reset)
         setup_notebook._done = True
-    launcher.prestart()
+    # Grading must not depend on timing: wait (~2 s, once) for the rank server that has every
+    # lazy torch import done, so no check's ranks pay for importing torch._dynamo themselves.
+    launcher.wait_until_warm()
     integrity.snapshot()

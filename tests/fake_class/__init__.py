@@ -1,0 +1,150 @@
+"""A small fake class for the autograder's tests: one submission per way a student can go wrong.
+
+Each submission starts from the committed student release of 05_allreduce and fills in (or
+breaks) cells, exactly as a student editing the notebook would. ``EXPECTED`` says what each must
+score out of 13, and with which status.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE = ROOT / "exercises/05_allreduce/allreduce_by_hand.ipynb"
+SOLUTIONS = ROOT / "solutions/05_allreduce/allreduce_by_hand.ipynb"
+
+AVERAGE = '''
+def average_gradients(model):
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+'''
+AVERAGE_SUMS = '''
+def average_gradients(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)   # forgot to divide by the world size
+'''
+AVERAGE_LOOPS = '''
+def average_gradients(model):
+    while True:                       # never returns, inside every rank
+        pass
+'''
+AVERAGE_FLOODS = AVERAGE + '''
+    for _ in range(10_000):
+        print("debugging " * 10)      # ~1 MB from every rank, every call
+'''
+
+
+def _solution_source(grade_id: str) -> str:
+    nb = nbformat.read(SOLUTIONS, as_version=4)
+    source = next(c.source for c in nb.cells
+                  if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    return "\n".join(line for line in source.splitlines()
+                     if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line)
+
+
+RING = _solution_source("ring-allreduce")
+RING_DEADLOCKS = '''
+def ring_allreduce(tensor):
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    incoming = torch.empty_like(tensor)
+    dist.recv(incoming, (rank - 1) % world_size)   # every rank waits first: nobody sends
+    dist.send(tensor, (rank + 1) % world_size)
+'''
+RING_EXITS = '''
+import os
+def ring_allreduce(tensor):
+    os._exit(3)
+'''
+
+
+def build(cells: dict[str, str], extra_after: dict[str, str] = None, replace_tests: dict = None,
+          delete: list[str] = ()) -> nbformat.NotebookNode:
+    """The release with solution cells ``cells`` filled in, code ``extra_after[grade_id]`` in a new
+    cell after that cell, test cells' source replaced or deleted (tampering)."""
+    nb = copy.deepcopy(nbformat.read(RELEASE, as_version=4))
+    out = []
+    for cell in nb.cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in delete:
+            continue
+        if grade_id in cells:
+            cell.source = cells[grade_id].strip("\n")
+        if replace_tests and grade_id in replace_tests:
+            cell.source = replace_tests[grade_id]
+        out.append(cell)
+        if extra_after and grade_id in extra_after:
+            out.append(nbformat.v4.new_code_cell(extra_after[grade_id].strip("\n")))
+    nb.cells = out
+    return nb
+
+
+CORRECT = {"average-gradients": AVERAGE, "ring-allreduce": RING}
+
+SUBMISSIONS = {
+    "alice": build(CORRECT),
+    "bob": build({"average-gradients": AVERAGE_SUMS, "ring-allreduce": RING}),
+    "carol": build({"average-gradients": AVERAGE, "ring-allreduce": RING_DEADLOCKS}),
+    "dave": build({"average-gradients": AVERAGE_LOOPS, "ring-allreduce": RING}),
+    "erin": build({"average-gradients": AVERAGE + "\nimport os\nos._exit(1)  # at top level",
+                   "ring-allreduce": RING_EXITS}),
+    "frank": build({"average-gradients": AVERAGE_FLOODS + '\nprint("x" * 100_000_000)',
+                    "ring-allreduce": RING}),
+    "grace": build(CORRECT, extra_after={"setup": (
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:29512', rank=0, "
+        "world_size=2)")}),
+    "heidi": build(CORRECT, extra_after={"ring-allreduce": (
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")}),
+    "ivan": build(CORRECT, extra_after={"ring-allreduce": (
+        "from datetime import timedelta\n"
+        "store = dist.TCPStore('127.0.0.1', 0, 2, True, timedelta(seconds=90))  # waits for a peer")}),
+    "mallory": build(
+        {"average-gradients": (
+            "import ddpcourse.launcher\n"
+            "ddpcourse.launcher.run_ranks = lambda fn, n, *a, **k: [None] * n\n"
+            "dist.all_reduce = lambda *a, **k: None\n"
+            "def average_gradients(model):\n    pass")},
+        replace_tests={"test-average-gradients-two-ranks": 'print("passed")'},
+        delete=["test-ring-allreduce-world-sizes"]),
+    "nadia": build({"average-gradients": (
+        "def run_ranks(fn, world_size, *args, **kwargs):\n"
+        "    return [None] * world_size   # shadows the launcher in this notebook only\n"
+        "def average_gradients(model):\n    pass")}),
+    "trent": build({"average-gradients": (
+        "integrity.assert_untampered = lambda: None\n"
+        "for name in dir(ch05):\n"
+        "    if name.startswith('check_'):\n"
+        "        setattr(ch05, name, lambda fn: None)\n"
+        "def average_gradients(model):\n    pass")}),
+}
+
+# student -> (score out of 13, status)
+EXPECTED = {
+    "alice": (13, "graded"),
+    "bob": (9, "graded"),
+    "carol": (4, "graded"),
+    "dave": (9, "graded"),
+    "erin": (4, "graded"),
+    "frank": (13, "graded"),
+    "grace": (13, "graded"),
+    "heidi": (0, "dropped by nbgrader"),
+    "ivan": (0, "dropped by nbgrader"),
+    "mallory": (0, "flagged for tampering"),
+    "nadia": (0, "graded"),
+    "trent": (0, "flagged for tampering"),
+}
+
+
+def write_class(root: Path, students=None) -> Path:
+    """Write ``root/submitted/{student}/05_allreduce/allreduce_by_hand.ipynb``; return ``root``."""
+    for student in students or SUBMISSIONS:
+        folder = root / "submitted" / student / "05_allreduce"
+        folder.mkdir(parents=True, exist_ok=True)
+        nbformat.write(SUBMISSIONS[student], folder / "allreduce_by_hand.ipynb")
+    return root

@@ -1,0 +1,128 @@
+"""The grading pipeline, end to end, on a fake class (tests/fake_class): every way a student can go
+wrong is graded within bounded time, scored as earned, and leaves no process behind."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fake_class import EXPECTED, write_class
+
+ROOT = Path(__file__).resolve().parent.parent
+AVERAGE_CELLS = ["test-average-gradients-two-ranks", "test-average-gradients-skips-missing",
+                 "test-average-gradients-hidden"]
+RING_CELLS = ["test-ring-allreduce-two-ranks", "test-ring-allreduce-world-sizes",
+              "test-ring-allreduce-bandwidth", "test-ring-allreduce-hidden"]
+
+
+def processes_marked(mark: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if mark.encode() in Path(f"/proc/{entry}/environ").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def grade(class_root: Path, out: Path, jobs: int = 2) -> tuple[dict[str, dict], float, str]:
+    mark = f"DDPCOURSE_GRADING_TEST={uuid.uuid4().hex}"
+    env = dict(os.environ, DDPCOURSE_CHECK_TIMEOUT_S="10", DDPCOURSE_GRADING_TEST=mark.split("=")[1])
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "autograder", "grade", str(class_root / "submitted"), "--out",
+         str(out), "--jobs", str(jobs), "--cell-timeout", "30", "--student-timeout", "600"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 0, done.stdout + done.stderr
+    time.sleep(1.0)
+    assert not processes_marked(mark), "grading left processes running"
+    with open(out / "grades.csv") as f:
+        rows = {row["student_id"]: row for row in csv.DictReader(f)}
+    return rows, elapsed, done.stdout
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    root = write_class(tmp_path_factory.mktemp("class"))
+    out = root / "out"
+    rows, elapsed, stdout = grade(root, out)
+    return rows, out, stdout, elapsed
+
+
+def test_every_student_is_in_the_csv_with_the_points_they_earned(graded):
+    rows, _, _, _ = graded
+    assert sorted(rows) == sorted(EXPECTED)
+    got = {s: (float(r["score"]), r["status"]) for s, r in rows.items()}
+    assert got == {s: (float(score), status) for s, (score, status) in EXPECTED.items()}
+    assert all(r["max_score"] == "13" for r in rows.values())
+
+
+def test_a_wrong_answer_loses_exactly_the_points_of_its_cells(graded):
+    rows, _, _, _ = graded
+    bob, dave = rows["bob"], rows["dave"]
+    for row in (bob, dave):  # wrong / hanging average_gradients, correct ring
+        assert all(row[c] == "0" for c in AVERAGE_CELLS)
+        assert [row[c] for c in RING_CELLS] == ["2", "2", "2", "3"]
+    carol = rows["carol"]  # deadlocking ring
+    assert [carol[c] for c in AVERAGE_CELLS] == ["2", "1", "1"]
+    assert all(carol[c] == "0" for c in RING_CELLS)
+
+
+def test_tampering_gains_nothing_and_is_flagged(graded):
+    rows, _, _, _ = graded
+    mallory = rows["mallory"]
+    assert "dist.all_reduce" in mallory["flags"] and "run_ranks" in mallory["flags"]
+    # the edited test cell was restored and the deleted one re-added: both graded, both 0
+    assert mallory["test-average-gradients-two-ranks"] == "0"
+    assert mallory["test-ring-allreduce-world-sizes"] == "0"
+    assert "setattr" in rows["trent"]["flags"]
+    assert rows["nadia"]["flags"] == ""  # shadowing run_ranks is harmless: tests re-import it
+
+
+def test_students_whose_kernel_died_or_blocked_still_get_a_row_and_feedback(graded):
+    rows, out, _, _ = graded
+    assert "kernel died" in rows["heidi"]["notes"]
+    assert "could not be interrupted" in rows["ivan"]["notes"]
+    for student in ("heidi", "ivan"):
+        page = (out / "feedback" / student / "05_allreduce" / "allreduce_by_hand.html").read_text()
+        assert "could not be graded" in page and "Score: 0" in page
+
+
+def test_every_student_gets_a_small_feedback_page_without_the_hidden_checks(graded):
+    _, out, _, _ = graded
+    hidden_source = (ROOT / "autograder/hidden/ch05.py").read_text()
+    secret_lines = [line.strip() for line in hidden_source.splitlines()
+                    if line.strip().startswith("(") or "_hidden(" in line]
+    for student in EXPECTED:
+        page = out / "feedback" / student / "05_allreduce" / "allreduce_by_hand.html"
+        assert page.exists(), student
+        assert page.stat().st_size < 3_000_000, f"{student}'s feedback is {page.stat().st_size} B"
+        text = page.read_text()
+        for line in secret_lines:
+            assert line not in text, f"hidden check code shown to {student}: {line}"
+
+
+def test_the_summary_table_lists_everyone(graded):
+    _, _, stdout, _ = graded
+    for student in EXPECTED:
+        assert student in stdout
+    assert f"{len(EXPECTED)} submissions in" in stdout
+
+
+def test_grading_the_same_submissions_again_gives_the_same_scores(graded, tmp_path):
+    rows, _, _, _ = graded
+    root = write_class(tmp_path, ["alice", "bob"])
+    again, _, _ = grade(root, tmp_path / "out", jobs=2)
+    for student in ("alice", "bob"):
+        assert again[student]["score"] == rows[student]["score"]
+        assert all(again[student][c] == rows[student][c] for c in AVERAGE_CELLS + RING_CELLS)
