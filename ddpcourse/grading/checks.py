@@ -47,15 +47,30 @@ def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Cal
             "created outside it"
         ) from None
     try:
-        return run_ranks(_in_rank, world_size, rank_check, payload, args, timeout=timeout,
-                         seed=0, max_output_bytes=20_000)
+        results = run_ranks(_in_rank, world_size, rank_check, payload, args, timeout=timeout,
+                            seed=0, max_output_bytes=20_000)
     except RankError as err:
         raise CheckFailed(explain(err, hide_internals)) from None
+    wrong = [f"rank {rank}: {r.message}" for rank, r in enumerate(results)
+             if isinstance(r, _WrongResult)]
+    if wrong:
+        raise CheckFailed("\n".join(wrong))
+    return results
+
+
+class _WrongResult:
+    """A rank's failed check, returned (not raised) so that every rank gets to report."""
+
+    def __init__(self, message: str):
+        self.message = message
 
 
 def _in_rank(rank: int, world_size: int, rank_check, payload: bytes, args: tuple):
     student_fn = pickle.loads(payload)
-    return rank_check(rank, world_size, student_fn, *args)
+    try:
+        return rank_check(rank, world_size, student_fn, *args)
+    except CheckFailed as failed:
+        return _WrongResult(str(failed))
 
 
 def explain(err: RankError, hide_internals: bool) -> str:

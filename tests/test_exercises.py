@@ -1,0 +1,86 @@
+"""Every exercise: its solution passes all its tests (hidden ones too), its student release fails
+them, and both committed notebooks are exactly what the build and nbgrader produce now."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from autograder.assignments import ALL
+from autograder.release import build_sources, generate_release
+from ddpcourse.grading.notebook_runner import run_test_cells
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = [(m.ASSIGNMENT, m.NOTEBOOK) for m in ALL]
+
+
+def comparable(path: Path) -> str:
+    return json.dumps(nbformat.read(path, as_version=4), sort_keys=True, indent=1)
+
+
+@pytest.mark.parametrize("assignment, notebook", NOTEBOOKS)
+def test_the_solution_passes_every_test_cell_including_hidden(assignment, notebook):
+    results = run_test_cells(ROOT / "solutions" / assignment / f"{notebook}.ipynb",
+                             extra_pythonpath=[str(ROOT)])
+    assert results and all(r.passed for r in results), [(r.grade_id, r.message) for r in results
+                                                        if not r.passed]
+
+
+@pytest.mark.parametrize("assignment, notebook", NOTEBOOKS)
+def test_the_released_stubs_fail_every_visible_test(assignment, notebook):
+    results = run_test_cells(ROOT / "exercises" / assignment / f"{notebook}.ipynb")
+    visible = [r for r in results if r.passed is not None]
+    assert visible and not any(r.passed for r in visible)
+    assert all("NotImplementedError" in r.message for r in visible)
+    assert any(r.passed is None for r in results), "hidden-test cells show as not yet run"
+
+
+@pytest.mark.parametrize("assignment, notebook", NOTEBOOKS)
+def test_committed_sources_and_release_are_what_generation_gives_now(assignment, notebook,
+                                                                      tmp_path):
+    built = build_sources(tmp_path / "solutions")
+    committed = ROOT / "solutions" / assignment / f"{notebook}.ipynb"
+    fresh = next(p for p in built if p.name == committed.name)
+    assert comparable(fresh) == comparable(committed), "run `python -m autograder build`"
+    released = generate_release(assignment, tmp_path / "exercises")
+    mine = ROOT / "exercises" / assignment / f"{notebook}.ipynb"
+    assert comparable(released / f"{notebook}.ipynb") == comparable(mine), (
+        "run `python -m autograder release`")
+
+
+def test_release_has_no_solution_and_no_hidden_test_code():
+    for assignment, notebook in NOTEBOOKS:
+        text = (ROOT / "exercises" / assignment / f"{notebook}.ipynb").read_text()
+        for secret in ["BEGIN SOLUTION", "BEGIN HIDDEN TESTS", "autograder.hidden",
+                       "dist.isend(chunks"]:
+            assert secret not in text
+
+
+def test_student_self_check_reports_each_visible_test_cell(tmp_path):
+    """`pytest exercises/05_allreduce`: the stubs fail each visible cell; a finished notebook
+    (the solution's code in the release) passes them."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "exercises/05_allreduce", "-q", "-p",
+                           "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 1, done.stdout
+    assert "5 failed, 2 skipped" in done.stdout
+    assert "test-ring-allreduce-bandwidth failed" in done.stdout
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_class import SUBMISSIONS
+
+    folder = tmp_path / "exercises" / "05_allreduce"
+    folder.mkdir(parents=True)
+    shutil.copy(ROOT / "exercises" / "conftest.py", tmp_path / "exercises" / "conftest.py")
+    nbformat.write(SUBMISSIONS["alice"], folder / "allreduce_by_hand.ipynb")
+    done = subprocess.run([sys.executable, "-m", "pytest", str(folder), "-q", "-p",
+                           "no:cacheprovider", "--rootdir", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "5 passed, 2 skipped" in done.stdout
