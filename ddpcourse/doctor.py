@@ -37,6 +37,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ddpcourse.launcher import run_ranks, usable_cores
+
 PASS, WARN, SKIP, FAIL = "pass", "warn", "skip", "fail"
 DEFAULT_MASTER_PORT = 29500  # torchrun's --master-port default (torch/distributed/run.py)
 PROBE_BYTES = 4 * 2**20
@@ -128,8 +130,6 @@ def measure_allreduce(sizes: Sequence[int], world_size: int = 2, backend: str = 
                       timeout: float = PROBE_TIMEOUT_S) -> list[dict]:
     """Run :func:`allreduce_probe` in ``world_size`` fresh ranks; one dict per size with
     ``bytes``, ``seconds``, ``algbw`` and ``busbw`` (bytes/s) and ``correct``."""
-    from ddpcourse.launcher import run_ranks
-
     per_rank = run_ranks(allreduce_probe, world_size, list(sizes), backend=backend,
                          timeout=timeout, relay_output=False)
     rows = []
@@ -303,15 +303,8 @@ def check_master_port(port: int | None = None) -> CheckResult:
                           else "not set; 29500 is torchrun's --master-port default)"))
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def check_threads() -> CheckResult:
-    cores = _usable_cores()
+    cores = usable_cores()
     setting = os.environ.get("OMP_NUM_THREADS")
     detail = (f"OMP_NUM_THREADS={setting if setting is not None else '(not set)'}, "
               f"torch uses {torch.get_num_threads()} threads, {cores} usable cores. "

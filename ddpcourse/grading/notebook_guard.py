@@ -62,7 +62,11 @@ class _CappedStream:
         self.warned = False
 
     def write(self, text):
-        if self.written >= self._cap:
+        remaining = self._cap - self.written
+        if len(text) > remaining:
+            if remaining > 0:
+                self._stream.write(text[:remaining])
+            self.written = self._cap
             if not self.warned:
                 self.warned = True
                 self._stream.write(f"\n... output of this cell cut at {self._cap} bytes ...\n")
