@@ -1,0 +1,289 @@
+"""Chapter 02 (DataParallel vs DDP vs FSDP): its measurements say what the lesson says they do.
+
+The memory numbers must satisfy exact relations (DDP: full parameters, gradients, 2 x Adam
+state and a bucket copy on every rank; FSDP2: a padded half on each of 2 ranks), the by-hand
+DataParallel step must compute DP's gradients, and the scripts must print their tables.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpcourse.launcher import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = ROOT / "chapters" / "02_dp_ddp_fsdp"
+sys.path.insert(0, str(CHAPTER))
+
+import _ch02_helpers as ch  # noqa: E402
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_script(command: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------ DataParallel by hand
+
+
+@pytest.mark.skipif(GPUS > 0, reason="DataParallel only falls back to the module without GPUs")
+def test_dataparallel_without_gpus_just_calls_the_module():
+    model = ch.make_mlp(16, 2)
+    dp = nn.DataParallel(model)
+    x = torch.randn(4, 16)
+    assert dp.device_ids == []
+    assert torch.equal(dp(x), model(x))
+
+
+@pytest.mark.parametrize("n_devices,batch", [(2, 16), (3, 16), (4, 10)])
+def test_dp_by_hand_computes_the_full_batch_gradient(n_devices, batch):
+    # batch 10 on 4 devices gives uneven chunks (3, 3, 3, 1), as DP's scatter would
+    err = ch.dp_emulation_gradient_error(n_devices=n_devices, batch=batch)
+    assert err < 1e-6, f"by-hand DP gradients differ from one process's by {err}"
+
+
+def test_replicas_are_differentiable_copies_whose_gradients_reach_the_module():
+    model = ch.make_mlp(8, 2)
+    (replica,) = ch.replicate_on_cpu(model, 1)
+    originals = list(model.parameters())
+    copies = [replica[0].weight, replica[0].bias, replica[2].weight, replica[2].bias]
+    for original, copy in zip(originals, copies):
+        assert torch.equal(original, copy)
+        assert copy.data_ptr() != original.data_ptr()  # a real copy, like a GPU replica
+        assert not copy.is_leaf  # its gradient flows back to the original
+    replica(torch.randn(3, 8)).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in originals)
+
+
+def test_dp_mechanism_cost_returns_every_phase_and_consistent_byte_counts():
+    r = ch.dp_mechanism_cost(64, depth=2, n_devices=3, batch=12, repeats=2)
+    phases = ["scatter_s", "replicate_s", "apply_s", "gather_s", "backward_s"]
+    for key in phases + ["step_s"]:
+        assert r[key] > 0, key
+    assert r["step_s"] == pytest.approx(sum(r[p] for p in phases))
+    assert r["params"] == 2 * (64 * 64 + 64)
+    assert r["param_bytes"] == 4 * r["params"]
+    assert r["bytes_sent_from_device0"] == 2 * r["param_bytes"]  # one replica per other device
+    assert r["bytes_reduced_onto_device0"] == 2 * r["param_bytes"]
+
+
+def test_dp_device_accounting_puts_persistent_state_on_device_0_only():
+    rows = ch.dp_device_bytes(64, depth=2, n_devices=4, batch=8)
+    p = ch.param_bytes(ch.make_mlp(64, 2))
+    assert rows[0]["grads"] == p and rows[0]["optimizer_state"] == 2 * p
+    assert all(r["grads"] == r["optimizer_state"] == r["gathered_outputs"] == 0 for r in rows[1:])
+
+
+# --------------------------------------------------------------------------------- DDP
+
+
+def test_ddp_broadcasts_rank_0_parameters_at_construction(no_orphans):
+    r0, r1 = run_ranks(ch.ddp_broadcast_at_construction, 2)
+    assert r0["checksum_before"] != r1["checksum_before"]
+    assert r0["checksum_after"] == r1["checksum_after"] == r0["checksum_before"]
+
+
+@pytest.mark.parametrize("cap_mb", [None, 2])
+def test_ddp_uses_one_bucket_first_then_rebuilds_buckets_of_the_cap(no_orphans, cap_mb):
+    width, depth = 512, 12
+    sizes = run_ranks(ch.ddp_bucket_sizes, 2, cap_mb, width, depth)[0]
+    grad_bytes = ch.param_bytes(ch.make_mlp(width, depth))
+    layer_bytes = (width * width + width) * 4
+    assert all(sum(it) == grad_bytes for it in sizes), sizes
+    assert len(sizes[0]) == 1, f"first iteration: one bucket expected, got {sizes[0]}"
+    cap = (cap_mb or 25) * 2**20
+    for later in sizes[1:]:
+        assert len(later) > 1
+        assert all(b <= cap + layer_bytes for b in later), later
+    if cap_mb is None:  # the small first bucket
+        assert sizes[1][0] <= dist._DEFAULT_FIRST_BUCKET_BYTES + layer_bytes
+
+
+def test_ddp_launches_all_reduces_before_backward_is_done(no_orphans):
+    events = [what for _, what in run_ranks(ch.ddp_event_log, 2)[0]]
+    first_launch = next(i for i, e in enumerate(events) if e.startswith("all-reduce launched"))
+    first_layer_ready = events.index("grad ready: layer 0 weight")
+    assert first_launch < first_layer_ready, events
+    assert events[-1] == "backward() returned"
+
+
+# ------------------------------------------------------------------- memory per rank
+
+
+@pytest.fixture(scope="module")
+def memory_results():
+    return run_ranks(ch.memory_per_rank, 2)
+
+
+def test_every_ddp_rank_holds_full_params_grads_adam_state_and_buckets(memory_results):
+    full = ch.param_bytes(ch._memory_model(256, 8, 5))
+    for r in memory_results:
+        d = r["ddp"]
+        assert d["full_param_bytes"] == full
+        assert (d["params"], d["grads"], d["optim_moments"]) == (full, full, 2 * full)
+        assert d["buckets"] == full and not d["grads_are_bucket_views"]
+        assert d["optim_steps"] == 4 * len(list(ch._memory_model(256, 8, 5).parameters()))
+        total = sum(d[c] for c in ch.MEMORY_COLUMNS)
+        assert total == 5 * full + d["optim_steps"]
+
+
+def test_each_fsdp_rank_holds_half_of_everything_within_padding(memory_results):
+    full = memory_results[0]["ddp"]["full_param_bytes"]
+    shards = [r["fsdp"] for r in memory_results]
+    padding = 2 * shards[0]["padded_shard_bound"] - full
+    assert 0 < padding < full * 0.01  # only Linear(256, 5) splits unevenly
+    assert sum(f["params"] for f in shards) == full
+    for f in shards:
+        assert abs(f["params"] - full / 2) <= padding
+        assert f["grads"] == f["params"]
+        assert f["optim_moments"] == 2 * f["params"]
+        assert f["params_are_dtensors"] and f["placements"] == ["(Shard(dim=0),)"]
+        assert f["buckets"] == 0
+
+
+def test_fsdp_gathers_full_parameters_in_forward_and_again_in_backward(memory_results):
+    f = memory_results[0]["fsdp"]
+    layers = 9
+    assert all(e["type"] == "Parameter" and e["shape"] == e["local_shape"]
+               for e in f["inside_forward"])  # unsharded plain tensors during forward
+    assert len(f["inside_forward"]) == layers
+    assert f["all_gather_calls"] == 2 * layers and f["reduce_scatter_calls"] == layers
+    assert f["all_gather_bytes"] == 2 * f["reduce_scatter_bytes"]
+    assert f["reduce_scatter_bytes"] == 2 * f["padded_shard_bound"]
+
+
+def test_every_memory_relation_the_lesson_prints_holds(memory_results):
+    failed = [s for s, holds in ch.check_memory_relations(memory_results) if not holds]
+    assert not failed, failed
+
+
+def test_gradient_as_bucket_view_removes_the_bucket_copy(no_orphans):
+    for r in run_ranks(ch.ddp_memory, 2, gradient_as_bucket_view=True):
+        assert r["grads_are_bucket_views"] and r["buckets"] == 0
+        assert r["bucket_buffer_bytes"] == r["grads"] == r["full_param_bytes"]
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+def test_memory_script_prints_the_table_and_its_checks():
+    done = run_script("torchrun --standalone --nproc_per_node 2 "
+                      "chapters/02_dp_ddp_fsdp/memory_per_rank.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "RESULT: all memory relations hold" in out and "CHECK FAIL" not in out
+    assert out.count("RESULT:") == 1  # rank 0 only
+    full = int(re.search(r"model parameters: ([\d,]+) bytes", out).group(1).replace(",", ""))
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"(DDP|FSDP2)\s+(\d)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)"
+                     r"\s+([\d,]+)$", line)
+        if m:
+            rows[m.group(1), int(m.group(2))] = [int(v.replace(",", "")) for v in m.groups()[2:]]
+    assert set(rows) == {("DDP", 0), ("DDP", 1), ("FSDP2", 0), ("FSDP2", 1)}
+    for rank in (0, 1):
+        params, grads, moments, steps, buckets, total = rows["DDP", rank]
+        assert (params, grads, moments, buckets) == (full, full, 2 * full, full)
+        assert total == params + grads + moments + steps + buckets
+        params, grads, moments, steps, buckets, total = rows["FSDP2", rank]
+        assert grads == params and moments == 2 * params and buckets == 0
+        assert abs(params - full / 2) < 0.01 * full
+    assert rows["FSDP2", 0][0] + rows["FSDP2", 1][0] == full
+
+
+def test_dp_mechanism_script_prints_one_row_per_model_size():
+    done = run_script("torchrun --standalone --nproc_per_node 2 "
+                      "chapters/02_dp_ddp_fsdp/dp_mechanism.py --widths 128 256")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if re.match(r"\s+\d+\s+[\d.]+ \|", line)]
+    assert len(rows) == 2, done.stdout
+    for line, width in zip(rows, (128, 256)):
+        numbers = [float(v) for v in re.findall(r"[\d.]+", line)]
+        assert numbers[0] == width and numbers[1] == pytest.approx(
+            ch.param_bytes(ch.make_mlp(width, 4)) / 1e6, abs=0.05)
+        assert all(v > 0 for v in numbers[2:]), line  # every cost measured, none zero
+    assert done.stdout.count("DataParallel by hand") == 1
+
+
+def test_dataparallel_gpu_script_runs_as_documented():
+    done = run_script("python chapters/02_dp_ddp_fsdp/dataparallel_on_gpus.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    if GPUS < 2:
+        assert "skipped: the real DataParallel measurement needs >= 2 CUDA GPUs" in done.stdout
+    else:
+        assert "device 0 / busiest other" in done.stdout
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs >= 2 CUDA GPUs, found {GPUS}")
+def test_real_dataparallel_loads_device_0_most():
+    rows, _ = ch.gpu_dataparallel_report(widths=(1024,), repeats=2)
+    for r in rows:
+        assert r["replicate_s"] > 0 and r["gather_s"] > 0
+        assert r["peak_bytes"][0] > max(r["peak_bytes"][1:])
+
+
+# ---------------------------------------------------------------- lesson bookkeeping
+
+
+# What the first line of each cited range must contain, in the torch the course pins.
+CITED_FIRST_LINES = {
+    "dp_init_no_device": "_get_available_device_type()",
+    "dp_forward": "def forward",
+    "dp_forward_no_device": "if not self.device_ids",
+    "scatter_function": "class Scatter(Function)",
+    "ddp_faster_than_dp": "is proven to be significantly faster",
+    "replicate": "def replicate(",
+    "broadcast_backward": "class Broadcast(Function)",
+    "parallel_apply_threads": "if len(modules) > 1",
+    "scatter": "def scatter(",
+    "gather": "def gather(",
+    "ddp_bucket_default": "_DEFAULT_BUCKET_CAP_MB = 25",
+    "ddp_first_iteration_one_bucket": "Case 2",
+    "ddp_broadcast_at_init": "if init_sync",
+    "sync_module_states": "def _sync_module_states(",
+    "ddp_reducer": "self.reducer = dist.Reducer(",
+    "ddp_gradient_as_bucket_view": "gradient_as_bucket_view (bool)",
+    "fsdp_all_gather": "class DefaultAllGather",
+    "fsdp_reduce_scatter": "class DefaultReduceScatter",
+}
+
+
+@pytest.mark.skipif(not torch.__version__.startswith("2.13."),
+                    reason=f"line numbers are those of torch 2.13, this is {torch.__version__}")
+def test_cited_source_lines_are_what_the_lesson_says():
+    site = Path(torch.__file__).resolve().parent.parent
+    assert set(CITED_FIRST_LINES) == set(ch.SOURCE)
+    for name, (path, first, last) in ch.SOURCE.items():
+        lines = (site / path).read_text().splitlines()
+        assert CITED_FIRST_LINES[name] in lines[first - 1], (name, lines[first - 1])
+        assert last <= len(lines) and first <= last
+        assert ch.source_link(name).endswith(f"{path}#L{first}-L{last}")
+
+
+def test_committed_notebook_is_what_the_builder_builds():
+    import importlib.util
+
+    import nbformat
+
+    # loaded under a name of its own: other chapters have a _build_notebook.py too
+    spec = importlib.util.spec_from_file_location("_ch02_build_notebook",
+                                                  CHAPTER / "_build_notebook.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    built = [(c.cell_type, c.source) for c in builder.build().cells]
+    committed = nbformat.read(CHAPTER / "02_dp_ddp_fsdp.ipynb", as_version=4)
+    assert built == [(c.cell_type, c.source) for c in committed.cells], (
+        "run python chapters/02_dp_ddp_fsdp/_build_notebook.py")
