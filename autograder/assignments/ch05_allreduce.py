@@ -2,6 +2,16 @@
 
 from autograder.authoring import markdown, scratch, setup, solution, tests
 
+
+def visible_test(points: int, what: str, call: str) -> str:
+    """A visible test cell: check integrity, run one check from ddpcourse.grading.ch05."""
+    plural = "s" if points != 1 else ""
+    return (f"# Test ({points} point{plural}): {what}\n"
+            "from ddpcourse.grading import ch05, integrity\n"
+            "integrity.assert_untampered()\n"
+            f"ch05.{call}\n"
+            'print("passed")')
+
 ASSIGNMENT = "05_allreduce"
 NOTEBOOK = "allreduce_by_hand"
 
@@ -71,21 +81,11 @@ def try_average(rank, world_size):
 run_ranks(try_average, 2, timeout=15)
 """
 
-TEST_1A = """
-# Test (2 points): two ranks, every parameter has a gradient.
-from ddpcourse.grading import ch05, integrity
-integrity.assert_untampered()
-ch05.check_average_gradients_two_ranks(average_gradients)
-print("passed")
-"""
+TEST_1A = visible_test(2, "two ranks, every parameter has a gradient.",
+                       "check_average_gradients_two_ranks(average_gradients)")
 
-TEST_1B = """
-# Test (1 point): a frozen bias and an unused layer keep .grad None.
-from ddpcourse.grading import ch05, integrity
-integrity.assert_untampered()
-ch05.check_average_gradients_skips_missing(average_gradients)
-print("passed")
-"""
+TEST_1B = visible_test(1, "a frozen bias and an unused layer keep .grad None.",
+                       "check_average_gradients_skips_missing(average_gradients)")
 
 TEST_1H = """
 # (1 point) world sizes 1, 3 and 4, float64, and a weight shared by two layers.
@@ -160,29 +160,15 @@ def try_ring(rank, world_size):
 run_ranks(try_ring, 3, timeout=15)
 """
 
-TEST_2A = """
-# Test (2 points): two ranks, even and odd lengths.
-from ddpcourse.grading import ch05, integrity
-integrity.assert_untampered()
-ch05.check_ring_allreduce_two_ranks(ring_allreduce)
-print("passed")
-"""
+TEST_2A = visible_test(2, "two ranks, even and odd lengths.",
+                       "check_ring_allreduce_two_ranks(ring_allreduce)")
 
-TEST_2B = """
-# Test (2 points): 3 and 4 ranks, lengths 10, 2 (fewer elements than ranks) and 5N.
-from ddpcourse.grading import ch05, integrity
-integrity.assert_untampered()
-ch05.check_ring_allreduce_world_sizes(ring_allreduce)
-print("passed")
-"""
+TEST_2B = visible_test(2, "3 and 4 ranks, lengths 10, 2 (fewer elements than ranks) and 5N.",
+                       "check_ring_allreduce_world_sizes(ring_allreduce)")
 
-TEST_2C = """
-# Test (2 points): 4 ranks, 1000 float32: point-to-point only, ~2(N-1)/N of the bytes per rank.
-from ddpcourse.grading import ch05, integrity
-integrity.assert_untampered()
-ch05.check_ring_allreduce_is_bandwidth_optimal(ring_allreduce)
-print("passed")
-"""
+TEST_2C = visible_test(2, "4 ranks, 1000 float32: point-to-point only, ~2(N-1)/N of the "
+                          "bytes per rank.",
+                       "check_ring_allreduce_is_bandwidth_optimal(ring_allreduce)")
 
 TEST_2H = """
 # (3 points) world sizes 1-4, int64 / float64 / 2-D tensors, seeds, uneven chunks, traffic.

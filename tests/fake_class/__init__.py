@@ -16,14 +16,16 @@ ROOT = Path(__file__).resolve().parents[2]
 RELEASE = ROOT / "exercises/05_allreduce/allreduce_by_hand.ipynb"
 SOLUTIONS = ROOT / "solutions/05_allreduce/allreduce_by_hand.ipynb"
 
-AVERAGE = '''
-def average_gradients(model):
-    world_size = dist.get_world_size()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
-'''
+def _solution_source(grade_id: str) -> str:
+    nb = nbformat.read(SOLUTIONS, as_version=4)
+    source = next(c.source for c in nb.cells
+                  if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    return "\n".join(line for line in source.splitlines()
+                     if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line)
+
+
+AVERAGE = _solution_source("average-gradients")
+RING = _solution_source("ring-allreduce")
 AVERAGE_SUMS = '''
 def average_gradients(model):
     for p in model.parameters():
@@ -41,15 +43,6 @@ AVERAGE_FLOODS = AVERAGE + '''
 '''
 
 
-def _solution_source(grade_id: str) -> str:
-    nb = nbformat.read(SOLUTIONS, as_version=4)
-    source = next(c.source for c in nb.cells
-                  if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
-    return "\n".join(line for line in source.splitlines()
-                     if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line)
-
-
-RING = _solution_source("ring-allreduce")
 RING_DEADLOCKS = '''
 def ring_allreduce(tensor):
     world_size, rank = dist.get_world_size(), dist.get_rank()
