@@ -159,3 +159,29 @@ def test_the_setup_cell_guards_the_kernel_against_blocking_killing_and_flooding(
     assert "REFUSED KernelGuardError" in texts[2]
     assert len(texts[3]) < 300_000 and "cut at" in texts[3]
     assert "STILL ALIVE" in texts[4]
+
+
+def defaults_to_zero(env):
+    """The article's bug, as a function: a missing variable silently becomes rank 0."""
+    return int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1))
+
+
+def falls_back_to_slurm(env):
+    """Right for complete environments, but mixes launchers when torchrun's are half set."""
+    for names in (("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+                  ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")):
+        if all(n in env for n in names):
+            return tuple(int(env[n]) for n in names)
+    raise ValueError("missing RANK LOCAL_RANK WORLD_SIZE SLURM_PROCID SLURM_LOCALID SLURM_NTASKS")
+
+
+def test_ranks_from_env_checks_catch_the_rank_zero_default_and_the_silent_fallback():
+    from autograder.hidden import ch04 as hidden
+    from ddpcourse.grading import ch04
+
+    integrity.snapshot()
+    with pytest.raises(CheckFailed, match="empty environment: expected ValueError"):
+        ch04.check_ranks_from_env_never_defaults(defaults_to_zero)
+    ch04.check_ranks_from_env_reads_torchrun_and_slurm(falls_back_to_slurm)
+    with pytest.raises(CheckFailed, match="half a torchrun environment"):
+        hidden.check_ranks_from_env(falls_back_to_slurm)

@@ -1,5 +1,5 @@
 """One module per assignment; each defines ASSIGNMENT, NOTEBOOK and cells()."""
 
-from autograder.assignments import ch05_allreduce
+from autograder.assignments import ch04_process_groups, ch05_allreduce
 
-ALL = [ch05_allreduce]
+ALL = [ch04_process_groups, ch05_allreduce]

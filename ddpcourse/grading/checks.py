@@ -32,8 +32,10 @@ class CheckFailed(AssertionError):
 
 
 def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Callable, *args,
-                timeout: float = CHECK_TIMEOUT_S, hide_internals: bool = False) -> list[Any]:
-    """Run ``rank_check(rank, world_size, student_fn, *args)`` in ``world_size`` ranks."""
+                timeout: float = CHECK_TIMEOUT_S, hide_internals: bool = False,
+                init_process_group: bool = True) -> list[Any]:
+    """Run ``rank_check(rank, world_size, student_fn, *args)`` in ``world_size`` ranks
+    (``init_process_group=False``: processes with torchrun's variables but no group yet)."""
     __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     integrity.assert_untampered()
     if not callable(student_fn):
@@ -48,7 +50,8 @@ def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Cal
         ) from None
     try:
         results = run_ranks(_in_rank, world_size, rank_check, payload, args, timeout=timeout,
-                            seed=0, max_output_bytes=20_000)
+                            seed=0, max_output_bytes=20_000,
+                            init_process_group=init_process_group)
     except RankError as err:
         raise CheckFailed(explain(err, hide_internals)) from None
     wrong = [f"rank {rank}: {r.message}" for rank, r in enumerate(results)
