@@ -60,6 +60,29 @@ def tests(grade_id: str, points: int, code: str, hidden: str | None = None):
         source, metadata=_meta(grade_id, grade=True, locked=True, points=points))
 
 
+def visible_test(grade_id: str, points: int, what: str, checks_module: str, call: str):
+    """A visible test cell: check integrity, then one check from ``ddpcourse.grading.<module>``."""
+    plural = "s" if points != 1 else ""
+    return tests(grade_id, points, "\n".join([
+        f"# Test ({points} point{plural}): {what}",
+        f"from ddpcourse.grading import {checks_module}, integrity",
+        "integrity.assert_untampered()",
+        f"{checks_module}.{call}",
+        'print("passed")',
+    ]))
+
+
+def hidden_test(grade_id: str, points: int, what: str, checks_module: str, call: str):
+    """A test cell whose checks live in the grader-only ``autograder.hidden.<module>``."""
+    plural = "s" if points != 1 else ""
+    visible = "\n".join([f"# ({points} point{plural}) {what}",
+                         "from ddpcourse.grading import integrity",
+                         "integrity.assert_untampered()"])
+    hidden = "\n".join([f"from autograder.hidden import {checks_module} as hidden",
+                        f"hidden.{call}", 'print("passed")'])
+    return tests(grade_id, points, visible, hidden=hidden)
+
+
 def write_notebook(path: Path, cells: list) -> None:
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python",

@@ -1,6 +1,6 @@
 """Assignment 04_process_groups: know who you are, from torchrun or SLURM, or fail loudly."""
 
-from autograder.authoring import markdown, scratch, setup, solution, tests
+from autograder.authoring import hidden_test, markdown, scratch, setup, solution, visible_test
 
 ASSIGNMENT = "04_process_groups"
 NOTEBOOK = "ranks_from_env"
@@ -88,42 +88,6 @@ def who_am_i(rank, world_size):
 run_ranks(who_am_i, 4, init_process_group=False, timeout=15)
 """
 
-TEST_A = """
-# Test (2 points): torchrun's variables, SLURM's, and both (torchrun's win).
-from ddpcourse.grading import ch04, integrity
-integrity.assert_untampered()
-ch04.check_ranks_from_env_reads_torchrun_and_slurm(ranks_from_env)
-print("passed")
-"""
-
-TEST_B = """
-# Test (1 point): missing variables raise ValueError naming them - never a default of rank 0.
-from ddpcourse.grading import ch04, integrity
-integrity.assert_untampered()
-ch04.check_ranks_from_env_never_defaults(ranks_from_env)
-print("passed")
-"""
-
-TEST_C = """
-# Test (1 point): 4 real processes read their identity and build a process group with it.
-from ddpcourse.grading import ch04, integrity
-integrity.assert_untampered()
-ch04.check_ranks_from_env_in_real_processes(ranks_from_env)
-print("passed")
-"""
-
-TEST_H = """
-# (2 points) half-set environments, values that are not valid ranks, any Mapping, 1 and 3 processes.
-from ddpcourse.grading import integrity
-integrity.assert_untampered()
-"""
-
-HIDDEN = """
-from autograder.hidden import ch04 as hidden
-hidden.check_ranks_from_env(ranks_from_env)
-print("passed")
-"""
-
 
 def cells():
     return [
@@ -132,8 +96,16 @@ def cells():
         markdown("task-ranks-from-env", TASK),
         solution("ranks-from-env", SOLUTION),
         scratch(TRY),
-        tests("test-ranks-from-env-torchrun-and-slurm", 2, TEST_A),
-        tests("test-ranks-from-env-never-defaults", 1, TEST_B),
-        tests("test-ranks-from-env-real-processes", 1, TEST_C),
-        tests("test-ranks-from-env-hidden", 2, TEST_H, hidden=HIDDEN),
+        visible_test("test-ranks-from-env-torchrun-and-slurm", 2,
+                     "torchrun's variables, SLURM's, and both (torchrun's win).", "ch04",
+                     "check_ranks_from_env_reads_torchrun_and_slurm(ranks_from_env)"),
+        visible_test("test-ranks-from-env-never-defaults", 1,
+                     "missing variables raise ValueError naming them - never a default of "
+                     "rank 0.", "ch04", "check_ranks_from_env_never_defaults(ranks_from_env)"),
+        visible_test("test-ranks-from-env-real-processes", 1,
+                     "4 real processes read their identity and build a process group with it.",
+                     "ch04", "check_ranks_from_env_in_real_processes(ranks_from_env)"),
+        hidden_test("test-ranks-from-env-hidden", 2,
+                    "half-set environments, values that are not valid ranks, any Mapping, 1 and "
+                    "3 processes.", "ch04", "check_ranks_from_env(ranks_from_env)"),
     ]

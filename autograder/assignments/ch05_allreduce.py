@@ -1,16 +1,7 @@
 """Assignment 05_allreduce: average gradients, then a ring all-reduce from send/recv."""
 
-from autograder.authoring import markdown, scratch, setup, solution, tests
+from autograder.authoring import hidden_test, markdown, scratch, setup, solution, visible_test
 
-
-def visible_test(points: int, what: str, call: str) -> str:
-    """A visible test cell: check integrity, run one check from ddpcourse.grading.ch05."""
-    plural = "s" if points != 1 else ""
-    return (f"# Test ({points} point{plural}): {what}\n"
-            "from ddpcourse.grading import ch05, integrity\n"
-            "integrity.assert_untampered()\n"
-            f"ch05.{call}\n"
-            'print("passed")')
 
 ASSIGNMENT = "05_allreduce"
 NOTEBOOK = "allreduce_by_hand"
@@ -81,23 +72,6 @@ def try_average(rank, world_size):
 run_ranks(try_average, 2, timeout=15)
 """
 
-TEST_1A = visible_test(2, "two ranks, every parameter has a gradient.",
-                       "check_average_gradients_two_ranks(average_gradients)")
-
-TEST_1B = visible_test(1, "a frozen bias and an unused layer keep .grad None.",
-                       "check_average_gradients_skips_missing(average_gradients)")
-
-TEST_1H = """
-# (1 point) world sizes 1, 3 and 4, float64, and a weight shared by two layers.
-from ddpcourse.grading import integrity
-integrity.assert_untampered()
-"""
-
-HIDDEN_1 = """
-from autograder.hidden import ch05 as hidden
-hidden.check_average_gradients(average_gradients)
-print("passed")
-"""
 
 TASK_2 = """
 ## 2. `ring_allreduce(tensor)` (9 points)
@@ -160,28 +134,6 @@ def try_ring(rank, world_size):
 run_ranks(try_ring, 3, timeout=15)
 """
 
-TEST_2A = visible_test(2, "two ranks, even and odd lengths.",
-                       "check_ring_allreduce_two_ranks(ring_allreduce)")
-
-TEST_2B = visible_test(2, "3 and 4 ranks, lengths 10, 2 (fewer elements than ranks) and 5N.",
-                       "check_ring_allreduce_world_sizes(ring_allreduce)")
-
-TEST_2C = visible_test(2, "4 ranks, 1000 float32: point-to-point only, ~2(N-1)/N of the "
-                          "bytes per rank.",
-                       "check_ring_allreduce_is_bandwidth_optimal(ring_allreduce)")
-
-TEST_2H = """
-# (3 points) world sizes 1-4, int64 / float64 / 2-D tensors, seeds, uneven chunks, traffic.
-from ddpcourse.grading import integrity
-integrity.assert_untampered()
-"""
-
-HIDDEN_2 = """
-from autograder.hidden import ch05 as hidden
-hidden.check_ring_allreduce(ring_allreduce)
-print("passed")
-"""
-
 
 def cells():
     return [
@@ -190,14 +142,27 @@ def cells():
         markdown("task-average-gradients", TASK_1),
         solution("average-gradients", SOLUTION_1),
         scratch(TRY_1),
-        tests("test-average-gradients-two-ranks", 2, TEST_1A),
-        tests("test-average-gradients-skips-missing", 1, TEST_1B),
-        tests("test-average-gradients-hidden", 1, TEST_1H, hidden=HIDDEN_1),
+        visible_test("test-average-gradients-two-ranks", 2,
+                     "two ranks, every parameter has a gradient.", "ch05",
+                     "check_average_gradients_two_ranks(average_gradients)"),
+        visible_test("test-average-gradients-skips-missing", 1,
+                     "a frozen bias and an unused layer keep .grad None.", "ch05",
+                     "check_average_gradients_skips_missing(average_gradients)"),
+        hidden_test("test-average-gradients-hidden", 1,
+                    "world sizes 1, 3 and 4, float64, and a weight shared by two layers.", "ch05",
+                    "check_average_gradients(average_gradients)"),
         markdown("task-ring-allreduce", TASK_2),
         solution("ring-allreduce", SOLUTION_2),
         scratch(TRY_2),
-        tests("test-ring-allreduce-two-ranks", 2, TEST_2A),
-        tests("test-ring-allreduce-world-sizes", 2, TEST_2B),
-        tests("test-ring-allreduce-bandwidth", 2, TEST_2C),
-        tests("test-ring-allreduce-hidden", 3, TEST_2H, hidden=HIDDEN_2),
+        visible_test("test-ring-allreduce-two-ranks", 2, "two ranks, even and odd lengths.",
+                     "ch05", "check_ring_allreduce_two_ranks(ring_allreduce)"),
+        visible_test("test-ring-allreduce-world-sizes", 2,
+                     "3 and 4 ranks, lengths 10, 2 (fewer elements than ranks) and 5N.", "ch05",
+                     "check_ring_allreduce_world_sizes(ring_allreduce)"),
+        visible_test("test-ring-allreduce-bandwidth", 2,
+                     "4 ranks, 1000 float32: point-to-point only, ~2(N-1)/N of the bytes per "
+                     "rank.", "ch05", "check_ring_allreduce_is_bandwidth_optimal(ring_allreduce)"),
+        hidden_test("test-ring-allreduce-hidden", 3,
+                    "world sizes 1-4, int64 / float64 / 2-D tensors, seeds, uneven chunks, "
+                    "traffic.", "ch05", "check_ring_allreduce(ring_allreduce)"),
     ]
