@@ -93,7 +93,7 @@ def allreduce_probe(rank: int, world_size: int, sizes: Sequence[int], repeats: i
 
     Rank r contributes ``(r+1) * (1 + i % 3)`` at element i, so the correct result is
     ``n(n+1)/2 * (1 + i % 3)``: a lost, doubled or misplaced chunk changes it. Each timing is
-    ``k`` back-to-back all-reduces after two warm-ups; the slowest rank's time counts (a
+    ``k`` back-to-back all-reduces of a buffer of the same size after two warm-ups; the slowest rank's time counts (a
     collective is done when its last rank is), and the median of ``repeats`` timings is kept.
     Returns ``[(nbytes, seconds_per_all_reduce, sum_correct), ...]``.
     """
@@ -106,16 +106,18 @@ def allreduce_probe(rank: int, world_size: int, sizes: Sequence[int], repeats: i
         t = (rank + 1) * pattern.float()
         dist.all_reduce(t)
         correct = torch.equal(t, world_size * (world_size + 1) / 2 * pattern.float())
+        # Timed on zeros: summing the same tensor again and again would overflow it to inf.
+        buffer = torch.zeros_like(t)
         k = _iterations_for(nbytes)
         for _ in range(2):
-            dist.all_reduce(t)
+            dist.all_reduce(buffer)
         timings = []
         for _ in range(repeats):
             dist.barrier()
             sync()
             start = time.perf_counter()
             for _ in range(k):
-                dist.all_reduce(t)
+                dist.all_reduce(buffer)
             sync()
             timings.append((time.perf_counter() - start) / k)
         slowest = torch.tensor(timings, dtype=torch.float64, device=device)
@@ -362,7 +364,7 @@ def run_checks(checks: Sequence[Callable[[], CheckResult]] | None = None) -> lis
 def format_report(results: Sequence[CheckResult], width: int = 100) -> str:
     """A line (wrapped to ``width``) per check, and a "what to do" line under each check that
     did not pass. Multi-line details (the topology matrix) are kept as they are."""
-    name_width = max(len(r.name) for r in results)
+    name_width = max((len(r.name) for r in results), default=0)
     indent = " " * (name_width + 9)
     lines = [f"ddpcourse doctor ({sys.executable})"]
     for r in results:

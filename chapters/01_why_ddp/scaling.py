@@ -1,0 +1,274 @@
+"""Does DDP make training faster? Measure it: time per step, samples/s and communication share.
+
+    torchrun --standalone --nproc_per_node 2 chapters/01_why_ddp/scaling.py
+    python chapters/01_why_ddp/scaling.py --world-sizes 1 2 4
+
+The first command measures the world size torchrun gives it; the second measures several world
+sizes one after the other, each in fresh ranks started by ``ddpcourse.launcher.run_ranks`` (the
+lesson notebook calls :func:`measure_scaling`, which does the same).
+
+Two workloads, both trained with DDP, the same loop, the same data pipeline (a DataLoader over a
+DistributedSampler):
+
+* ``heavy``: an MLP of 0.39 M parameters (256 -> 512 -> 512 -> 1) on batches of 2048 samples:
+  a lot of arithmetic (~6 x parameters x batch FLOPs) for every byte of gradient that must be
+  all-reduced;
+* ``tiny``: the course's 1.4 k-parameter TinyMLP on batches of 64: almost no arithmetic, so a
+  step is mostly fixed costs (Python, the DataLoader, DDP's hooks, the latency of an all-reduce).
+
+Strong scaling by default: the *global* batch stays fixed and is split across the ranks, so N
+ranks do the same work per step as one rank, each doing 1/N of it. That is the question a
+practitioner asks ("my data set and batch size are given: does an epoch get faster?"), and the
+setting in which communication eats the gain soonest: each rank's compute shrinks with N, the
+gradient all-reduce does not. ``--mode weak`` keeps the
+*per-rank* batch fixed instead (the global batch grows with N).
+
+How the time is split (medians over the measured steps, each step's time taken on the slowest
+rank, after warm-up steps that are not counted):
+
+* data: fetching the next batch from the DataLoader;
+* compute: a training step inside ``DDP.no_sync()``, where DDP skips the gradient all-reduce;
+* comm: a normal step minus a ``no_sync`` step, i.e. the all-reduce time that backward could not
+  hide (DDP overlaps it with the rest of backward, so this is the *exposed* part);
+* allreduce: one explicit all-reduce of a tensor as large as all the gradients, for reference.
+
+Normal and ``no_sync`` steps alternate, so slow phases of a noisy machine hit both alike. During
+the ``no_sync`` steps the replicas' weights drift apart; that does not matter here, because this
+script measures time, not training. Each rank runs one thread (``torch.set_num_threads(1)``), so
+one rank stands for one device; with more ranks than cores the ranks share cores
+("oversubscribed"), which the table flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddpcourse.launcher import run_ranks, usable_cores, wait_until_warm
+from ddpcourse.toys import make_model, make_regression
+
+
+@dataclass(frozen=True)
+class Workload:
+    in_features: int
+    hidden: int
+    global_batch: int  # per-rank batch x world size under strong scaling
+    samples: int  # size of the generated data set (the loader cycles through it)
+    steps: int  # measured step pairs (one normal + one no_sync each)
+    warmup: int  # step pairs run first and not counted
+
+
+WORKLOADS = {
+    "heavy": Workload(in_features=256, hidden=512, global_batch=2048, samples=16_384,
+                      steps=6, warmup=2),
+    "tiny": Workload(in_features=8, hidden=32, global_batch=64, samples=20_000,
+                     steps=60, warmup=10),
+}
+EPOCH_SAMPLES = 20_000  # the source article's small data set; used to express step time per epoch
+COLUMNS = ("world_size", "batch_per_rank", "data_ms", "compute_ms", "comm_ms", "step_ms",
+           "allreduce_ms", "samples_per_s", "comm_share", "epoch_s", "speedup", "oversubscribed")
+
+
+def _batches(loader: DataLoader, sampler: DistributedSampler) -> Iterator:
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _clock(device: torch.device):
+    """A timer that first waits for the GPU's queued work (GPU kernels run asynchronously)."""
+    if device.type == "cuda":
+        def now() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return now
+    return time.perf_counter
+
+
+def _slowest_rank_median(values: list[float]) -> float:
+    """Per step, the slowest rank's time (a synchronous step ends when its last rank does);
+    then the median over steps, which shrugs off the odd step a noisy machine stretches."""
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def _device() -> torch.device:
+    """The rank's GPU under NCCL (torchrun via process_group(), or run_ranks), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def measure_rank(rank: int, world_size: int, workload: str, mode: str = "strong",
+                 steps: int | None = None, warmup: int | None = None, threads: int = 1) -> dict:
+    """Time ``workload``'s DDP training steps in the current process group (every rank calls
+    this); returns the same row of measurements on every rank."""
+    spec = WORKLOADS[workload]
+    steps = spec.steps if steps is None else steps
+    warmup = spec.warmup if warmup is None else warmup
+    torch.set_num_threads(threads)
+    if mode == "strong":
+        if spec.global_batch % world_size:
+            raise ValueError(f"global batch {spec.global_batch} does not split over {world_size}")
+        per_rank = spec.global_batch // world_size
+    elif mode == "weak":
+        per_rank = spec.global_batch
+    else:
+        raise ValueError(f"mode must be 'strong' or 'weak', not {mode!r}")
+
+    data = make_regression(spec.samples, in_features=spec.in_features, seed=0)
+    sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(data, batch_size=per_rank, sampler=sampler, drop_last=True)
+    device = _device()
+    clock = _clock(device)
+    model = make_model(0, in_features=spec.in_features, hidden=spec.hidden).to(device)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = torch.nn.MSELoss()
+    batches = _batches(loader, sampler)
+
+    def step(x, y) -> None:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    data_s, sync_s, nosync_s = [], [], []
+    for i in range(warmup + steps):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        for synced in order:
+            start = clock()
+            x, y = (t.to(device) for t in next(batches))
+            fetched = clock()
+            if synced:
+                step(x, y)
+            else:
+                with model.no_sync():  # forward and backward inside: no all-reduce at all
+                    step(x, y)
+            done = clock()
+            if i >= warmup:
+                (sync_s if synced else nosync_s).append(done - fetched)
+                data_s.append(fetched - start)
+
+    grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
+    allreduce_s = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = clock()
+        dist.all_reduce(grads)
+        if i >= warmup:
+            allreduce_s.append(clock() - start)
+
+    data = _slowest_rank_median(data_s)
+    synced = _slowest_rank_median(sync_s)
+    compute = _slowest_rank_median(nosync_s)
+    step_time = data + synced
+    global_batch = per_rank * world_size
+    return {
+        "workload": workload,
+        "mode": mode,
+        "world_size": world_size,
+        "batch_per_rank": per_rank,
+        "data_ms": data * 1e3,
+        "compute_ms": compute * 1e3,
+        "comm_ms": max(0.0, synced - compute) * 1e3,
+        "step_ms": step_time * 1e3,
+        "allreduce_ms": _slowest_rank_median(allreduce_s) * 1e3,
+        "gradient_bytes": grads.numel() * grads.element_size(),
+        "samples_per_s": global_batch / step_time,
+        "comm_share": max(0.0, synced - compute) / step_time,
+        "epoch_s": math.ceil(EPOCH_SAMPLES / global_batch) * step_time,
+        "oversubscribed": world_size * threads > usable_cores(),
+    }
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """Speed-up of each row against the first (one rank): ratio of samples per second."""
+    base = rows[0]["samples_per_s"]
+    return [{**row, "speedup": row["samples_per_s"] / base} for row in rows]
+
+
+def measure_scaling(workload: str, world_sizes: Sequence[int] = (1, 2, 4), mode: str = "strong",
+                    steps: int | None = None, warmup: int | None = None, threads: int = 1,
+                    rounds: int = 1, timeout: float = 120.0) -> list[dict]:
+    """One row per world size, each measured in fresh ranks (``run_ranks``) with ``threads``
+    threads per rank; speed-ups are against the first world size given.
+
+    With ``rounds > 1`` every world size is measured that many times, the rounds interleaved
+    (1, 2, 4, 1, 2, 4, ...), and the fastest run of each is kept: on a machine shared with other
+    programs the least disturbed run is the best estimate of what the ranks themselves cost.
+    """
+    wait_until_warm()  # the launcher warms a rank server in the background: not during a timing
+    best: dict[int, dict] = {}
+    for _ in range(rounds):
+        for world_size in world_sizes:
+            row = run_ranks(measure_rank, world_size, workload, mode, steps, warmup, threads,
+                            timeout=timeout, relay_output=False)[0]
+            if world_size not in best or row["samples_per_s"] > best[world_size]["samples_per_s"]:
+                best[world_size] = row
+    return add_speedups([best[world_size] for world_size in world_sizes])
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The measurements as a fixed-width table, one line per world size."""
+    head = (f"{'ranks':>5} {'batch/rank':>10} {'data ms':>8} {'compute ms':>10} {'comm ms':>8} "
+            f"{'step ms':>8} {'allreduce ms':>12} {'samples/s':>10} {'comm %':>6} "
+            f"{'epoch s':>8} {'speed-up':>8}")
+    lines = [f"{rows[0]['workload']} model, {rows[0]['mode']} scaling "
+             f"({rows[0]['gradient_bytes'] / 2**20:.2f} MiB of gradients per step)", head]
+    for r in rows:
+        speedup = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+        lines.append(
+            f"{r['world_size']:>5} {r['batch_per_rank']:>10} {r['data_ms']:>8.2f} "
+            f"{r['compute_ms']:>10.2f} {r['comm_ms']:>8.2f} {r['step_ms']:>8.2f} "
+            f"{r['allreduce_ms']:>12.2f} {r['samples_per_s']:>10.0f} "
+            f"{100 * r['comm_share']:>5.0f}% "
+            f"{r['epoch_s']:>8.2f} {speedup:>8}"
+            + ("  (oversubscribed: more ranks than cores)" if r["oversubscribed"] else ""))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--mode", choices=("strong", "weak"), default="strong")
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2, 4],
+                        help="only without torchrun: the world sizes to measure one by one")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="only without torchrun: measure each world size this many times and "
+                             "keep the fastest run")
+    opts = parser.parse_args()
+
+    if "RANK" not in os.environ:
+        for workload in opts.workloads:
+            rows = measure_scaling(workload, opts.world_sizes, opts.mode, rounds=opts.rounds)
+            print(format_table(rows), "\n", flush=True)
+        return 0
+
+    from ddpcourse.dist_env import process_group
+
+    with process_group(timeout_s=60) as ctx:
+        ctx.print0(f"{ctx.world_size} ranks, backend {ctx.backend}; one row per workload "
+                   "(for a speed-up, compare with `--nproc_per_node 1`, or run the sweep "
+                   "command in this docstring)")
+        for workload in opts.workloads:
+            row = measure_rank(ctx.rank, ctx.world_size, workload, opts.mode)
+            ctx.print0(format_table([row]), "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Chapter 01: the scaling measurement returns well-formed rows and tables (never its timings:
+wall-clock time on a shared 2-core machine is noise for a test), in both launch modes."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpcourse.launcher import RankError
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = ROOT / "chapters" / "01_why_ddp"
+sys.path.insert(0, str(CHAPTER))  # the ranks get this sys.path too, so they can import scaling
+
+import scaling  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("no_orphans")
+ROW_KEYS = {"workload", "mode", "world_size", "batch_per_rank", "data_ms", "compute_ms",
+            "comm_ms", "step_ms", "allreduce_ms", "gradient_bytes", "samples_per_s",
+            "comm_share", "epoch_s", "oversubscribed", "speedup"}
+QUICK = dict(steps=2, warmup=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_rows():
+    return scaling.measure_scaling("tiny", world_sizes=(1, 2, 4), **QUICK)
+
+
+def test_strong_scaling_rows_have_the_right_keys_and_world_sizes(tiny_rows):
+    assert [row["world_size"] for row in tiny_rows] == [1, 2, 4]
+    for row in tiny_rows:
+        assert set(row) == ROW_KEYS
+        assert row["workload"] == "tiny" and row["mode"] == "strong"
+    # strong scaling: the global batch (64) is split
+    assert [row["batch_per_rank"] for row in tiny_rows] == [64, 32, 16]
+
+
+def test_speedups_are_positive_finite_and_relative_to_one_rank(tiny_rows):
+    assert tiny_rows[0]["speedup"] == 1.0
+    for row in tiny_rows:
+        assert math.isfinite(row["speedup"]) and row["speedup"] > 0
+        assert row["speedup"] == pytest.approx(row["samples_per_s"] / tiny_rows[0]["samples_per_s"])
+
+
+def test_times_are_consistent(tiny_rows):
+    for row in tiny_rows:
+        for key in ("data_ms", "compute_ms", "step_ms", "allreduce_ms", "epoch_s"):
+            assert math.isfinite(row[key]) and row[key] > 0, key
+        assert row["comm_ms"] >= 0 and 0 <= row["comm_share"] < 1
+        assert row["step_ms"] >= row["data_ms"]
+        # samples/s is the global batch over the step time
+        global_batch = row["batch_per_rank"] * row["world_size"]
+        assert row["samples_per_s"] == pytest.approx(global_batch / (row["step_ms"] / 1e3))
+        assert row["gradient_bytes"] == 4 * 1377  # TinyMLP's float32 parameters
+
+
+def test_oversubscription_is_flagged_by_core_count(tiny_rows):
+    cores = scaling.usable_cores()
+    assert [row["oversubscribed"] for row in tiny_rows] == [n > cores for n in (1, 2, 4)]
+
+
+def test_table_has_a_line_per_world_size(tiny_rows):
+    lines = scaling.format_table(tiny_rows).splitlines()
+    assert lines[0].startswith("tiny model, strong scaling")
+    body = lines[2:]
+    assert [int(line.split()[0]) for line in body] == [1, 2, 4]
+    assert all(line.split()[10].endswith("x") for line in body)  # the speed-up column
+
+
+def test_weak_scaling_keeps_the_per_rank_batch():
+    rows = scaling.measure_scaling("tiny", world_sizes=(1, 2), mode="weak", **QUICK)
+    assert [row["batch_per_rank"] for row in rows] == [64, 64]
+    assert all(row["mode"] == "weak" for row in rows)
+
+
+def test_rounds_keep_one_row_per_world_size():
+    rows = scaling.measure_scaling("tiny", world_sizes=(2, 1), rounds=2, **QUICK)
+    assert [row["world_size"] for row in rows] == [2, 1]
+    assert rows[0]["speedup"] == 1.0  # relative to the first world size given
+
+
+def test_heavy_workload_is_much_more_compute_per_gradient_byte():
+    heavy, tiny = scaling.WORKLOADS["heavy"], scaling.WORKLOADS["tiny"]
+    # FLOPs per step ~ parameters x batch, gradient bytes ~ parameters: the ratio is the batch
+    assert heavy.global_batch >= 16 * tiny.global_batch
+
+
+def test_a_global_batch_that_does_not_split_is_refused():
+    with pytest.raises(RankError, match="does not split over 3"):
+        scaling.measure_scaling("tiny", world_sizes=(3,), **QUICK)
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(RankError, match="mode must be"):
+        scaling.measure_scaling("tiny", world_sizes=(1,), mode="sideways", **QUICK)
+
+
+def test_sweep_command_prints_a_table_per_workload(monkeypatch, capsys):
+    # `python scaling.py --world-sizes ...` without torchrun: run in-process (the rank servers
+    # are warm here; a fresh interpreter would spend most of its time starting them).
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", ["scaling.py", "--workloads", "tiny", "--world-sizes", "1",
+                                      "2"])
+    assert scaling.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "tiny model, strong scaling (0.01 MiB of gradients per step)"
+    assert [line.split()[0] for line in lines[2:4]] == ["1", "2"]
+
+
+def test_torchrun_command_prints_one_row_per_workload_on_rank_0():
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(
+        ["torchrun", "--standalone", "--nproc_per_node", "2", "chapters/01_why_ddp/scaling.py",
+         "--workloads", "tiny"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("tiny model, strong scaling") == 1
+    row = next(line for line in done.stdout.splitlines() if line.split()[:2] == ["2", "32"])
+    assert row.split()[-1] == "-"  # one world size: no speed-up to compute
