@@ -1,0 +1,128 @@
+"""--max_restarts restarts the whole worker group, not the one process that failed: shown with pids.
+
+    torchrun --standalone --nproc_per_node 2 --max_restarts 1 chapters/03_torchrun/restart_demo.py
+
+Launch test: custom. tests/test_chapter_03_torchrun.py runs it with ``--max_restarts 1`` (it
+succeeds after one restart of *every* rank: new pids everywhere) and with the default
+``--max_restarts 0`` (nothing restarts; torchrun exits non-zero).
+
+Every rank joins the group and does one all-reduce, then rank ``--fail-rank`` raises while
+``TORCHELASTIC_RESTART_COUNT`` is below ``--fail-attempts``. torchrun's agent sees one failed
+worker, stops the healthy ones as well, and, while restarts are left, starts the whole group again
+with the count one higher. Each rank appends one JSON line per event to ``--event-file``
+(default: a file in the temp folder named after the run id); rank 0 prints the story at the end.
+
+Why this script does not join with plain ``env://``: torchrun (torch 2.13, ``--standalone`` or
+c10d) keeps one TCP store for the whole job and hands it to every attempt. Keys the previous
+attempt's ranks wrote there (their network addresses) are still in it, so a fresh rank can read a
+dead peer's address and fail with "Connection refused" or a connect timeout: with
+``--plain-init``, 6 of 8 runs failed that way on a 2-core machine. Joining under a key prefix
+private to the attempt (``restart_N/``) avoids it (0 of 8 failed). A caveat: each node's agent
+keeps its own TORCHELASTIC_RESTART_COUNT, so on several nodes the counts can differ; there,
+launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` instead, which gives every attempt a new
+store (and a new MASTER_PORT), so that plain env:// is fine (this script then uses it: 0 of 6
+runs failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ddpcourse.dist_env import DistContext, pick_backend, process_group
+
+
+def attempt() -> int:
+    return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+
+@contextmanager
+def group_for_this_attempt(timeout_s: float, plain: bool) -> Iterator[DistContext]:
+    """Join the process group in a store namespace that no earlier attempt has written to."""
+    if plain or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        with process_group(timeout_s=timeout_s) as ctx:  # a fresh store per attempt, or --plain
+            yield ctx
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    backend = pick_backend(int(os.environ["LOCAL_WORLD_SIZE"]))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"restart_{attempt()}", agent_store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if backend == "nccl" else None,
+    )
+    try:
+        yield DistContext(rank, local_rank, world_size, backend, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def log_event(path: str, event: str) -> None:
+    line = json.dumps({"attempt": attempt(), "rank": int(os.environ["RANK"]),
+                       "pid": os.getpid(), "event": event})
+    with open(path, "a") as f:  # one short line per write: appends from many ranks stay whole
+        f.write(line + "\n")
+
+
+def story(path: str) -> str:
+    with open(path) as f:
+        events = [json.loads(line) for line in f]
+    lines = [f"{'attempt':>7} {'rank':>4} {'pid':>8}  events"]
+    keys = sorted({(e["attempt"], e["rank"], e["pid"]) for e in events})
+    for a, r, pid in keys:
+        seen = [e["event"] for e in events if (e["attempt"], e["rank"], e["pid"]) == (a, r, pid)]
+        lines.append(f"{a:>7} {r:>4} {pid:>8}  {' -> '.join(seen)}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--fail-attempts", type=int, default=1,
+                        help="the rank fails on attempts 0 .. N-1")
+    parser.add_argument("--event-file", default=None,
+                        help="JSON-lines event log (default: a temp file)")
+    parser.add_argument("--plain-init", action="store_true",
+                        help="join with plain env:// (reproduces the stale-store race)")
+    opts = parser.parse_args()
+    log = opts.event_file or os.path.join(
+        tempfile.gettempdir(), f"restart_demo-{os.environ['TORCHELASTIC_RUN_ID']}.jsonl")
+
+    log_event(log, "started")
+    with group_for_this_attempt(timeout_s=20, plain=opts.plain_init) as ctx:
+        total = torch.tensor([float(ctx.rank)], device=ctx.device)
+        dist.all_reduce(total)
+        log_event(log, "joined")
+        if ctx.rank == opts.fail_rank and attempt() < opts.fail_attempts:
+            log_event(log, "raised")
+            raise RuntimeError(f"rank {ctx.rank} fails on purpose in attempt {attempt()}")
+        dist.barrier()  # a healthy rank waits here while its peer fails; the agent stops it
+        log_event(log, "finished")
+        dist.barrier()
+        if ctx.is_main:
+            print(f"attempt {attempt()} finished on all {ctx.world_size} ranks "
+                  f"(TORCHELASTIC_MAX_RESTARTS={os.environ['TORCHELASTIC_MAX_RESTARTS']})")
+            print(story(log), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
