@@ -12,7 +12,10 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -100,3 +103,35 @@ def is_alive(pid: int) -> bool:
             return True
         return not Path("/proc").is_dir()
     return stat[1] != "Z"
+
+
+# A torchrun job is a tree of processes (the agent, its workers); ``subprocess.run(timeout=...)``
+# kills only the top one, so a hung rendezvous would leave workers running. run_bounded gives the
+# command a session of its own and kills that whole process group at the deadline.
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    timed_out: bool
+
+
+def run_bounded(cmd, timeout: float, cwd=None, env=None, shell: bool = False) -> Finished:
+    """Run ``cmd``; at ``timeout`` seconds kill its process group and say so (``timed_out``)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, shell=shell, cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        kill_process_group(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    finally:
+        kill_process_group(proc.pid, signal.SIGKILL, group_only=True)  # stragglers, if any
+    return Finished(proc.returncode, out, err, time.perf_counter() - start, timed_out)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "chapters" / "03_torchrun"))
 prestart()
 import _demos
 import collectives_tour as tour
-from _launch import run_bounded          # chapter 03's helper: a deadline, nothing left behind
+from ddpcourse.processes import run_bounded  # a deadline, and no process left behind
 
 def show(fn):
     print(inspect.getsource(fn))"""),
