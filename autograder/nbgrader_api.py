@@ -32,6 +32,10 @@ def load_config(root: Path, cell_timeout: int | None = None, **directories: str)
         config.CourseDirectory[name] = value
     if cell_timeout is not None:
         config.Execute.timeout = cell_timeout
+    # Kernels on Unix sockets in this course directory: no TCP ports to collide with other
+    # graders' kernels or with gloo (see ddpcourse/kernels.py).
+    config.KernelManager.transport = "ipc"
+    config.KernelManager.ip = str(root / "kernel")
     return config
 
 

@@ -69,21 +69,26 @@ def _export(config, assignment: str, student: str, dest: Path) -> None:
 
 def _diagnose_dropped(notebook: Path, cell_timeout: int) -> str:
     """Execute the (sanitised) submission once more to find the cell that killed its kernel."""
+    import tempfile
+
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
+    from ddpcourse.kernels import ipc_kernel_manager
+
     nb = nbformat.read(notebook, as_version=4)
-    client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", allow_errors=True,
-                            interrupt_on_timeout=False,
-                            resources={"metadata": {"path": str(notebook.parent)}})
     executed = [-1]
 
     def remember(cell, cell_index, **_):
         executed[0] = cell_index
 
-    client.on_cell_execute = remember
     try:
-        client.execute()
+        with tempfile.TemporaryDirectory(prefix="ddpcourse-kernel-") as socket_dir:
+            client = NotebookClient(nb, km=ipc_kernel_manager(socket_dir), timeout=cell_timeout,
+                                    allow_errors=True, interrupt_on_timeout=False,
+                                    resources={"metadata": {"path": str(notebook.parent)}})
+            client.on_cell_execute = remember
+            client.execute()
     except DeadKernelError:
         return _cell_report(nb, executed[0], "the notebook's kernel died while running it")
     except CellTimeoutError:

@@ -4,17 +4,18 @@ traffic bounds, the static tamper scan, and the notebook guard in a real kernel.
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
 import nbformat
 import pytest
 import torch
 import torch.distributed as dist
-from nbclient import NotebookClient
 
 from autograder.tamper_scan import SETUP_NAMES, _Scanner
 from ddpcourse.grading import ch05, integrity
 from ddpcourse.grading.checks import CheckFailed, ring_traffic_bounds
 from ddpcourse.grading.comm_audit import CommAudit
+from ddpcourse.kernels import execute_notebook
 from ddpcourse.launcher import run_ranks
 
 
@@ -153,7 +154,7 @@ GUARD_CELLS = [
 
 def test_the_setup_cell_guards_the_kernel_against_blocking_killing_and_flooding():
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in GUARD_CELLS])
-    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    execute_notebook(nb, Path.cwd(), 120)
     texts = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells]
     assert "REFUSED KernelGuardError" in texts[1]
     assert "REFUSED KernelGuardError" in texts[2]

@@ -7,9 +7,12 @@ outputs.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nbformat
 import pytest
-from nbclient import NotebookClient
+
+from ddpcourse.kernels import execute_notebook
 
 CELLS = [
     "import torch, torch.distributed as dist\n"
@@ -36,10 +39,9 @@ CELLS = [
 
 def execute(cells: list[str], **client_options) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    options = {"timeout": 120, "kernel_name": "python3", "allow_errors": False}
+    options = {"timeout": 120, "allow_errors": False}
     options.update(client_options)
-    NotebookClient(nb, **options).execute()
-    return nb
+    return execute_notebook(nb, Path.cwd(), **options)
 
 
 def stream_text(cell) -> str:

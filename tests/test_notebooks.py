@@ -10,7 +10,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+
+from ddpcourse.kernels import execute_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted((ROOT / "chapters").glob("*/*.ipynb"))
@@ -28,8 +29,7 @@ def test_lesson_notebooks_are_committed_without_outputs():
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_lesson_notebook_executes_and_draws_its_figures(path):
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    execute_notebook(nb, path.parent, CELL_TIMEOUT_S)
     draws = [c for c in nb.cells if c.cell_type == "code" and "plt." in c.source]
     for cell in draws:
         images = [o for o in cell.outputs if "image/png" in o.get("data", {})]

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
+
+from ddpcourse.kernels import execute_notebook
 
 from ddpcourse.grading.authoring_marks import HIDDEN_MARK
 
@@ -49,10 +50,8 @@ def run_test_cells(path: Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT_S,
         os.environ["PYTHONPATH"] = os.pathsep.join([*extra_pythonpath, env_before or ""])
     died = ""
     try:
-        client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3",
-                                allow_errors=True, interrupt_on_timeout=True,
-                                resources={"metadata": {"path": str(path.parent)}})
-        client.execute()
+        execute_notebook(nb, path.parent, cell_timeout, allow_errors=True,
+                         interrupt_on_timeout=True)
     except DeadKernelError as exc:
         died = f"the notebook's kernel died ({exc}); cells after that point did not run"
     finally:
