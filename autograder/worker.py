@@ -71,10 +71,9 @@ def _diagnose_dropped(notebook: Path, cell_timeout: int) -> str:
     """Execute the (sanitised) submission once more to find the cell that killed its kernel."""
     import tempfile
 
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-    from ddpcourse.kernels import ipc_kernel_manager
+    from ddpcourse.kernels import ipc_client
 
     nb = nbformat.read(notebook, as_version=4)
     executed = [-1]
@@ -84,9 +83,8 @@ def _diagnose_dropped(notebook: Path, cell_timeout: int) -> str:
 
     try:
         with tempfile.TemporaryDirectory(prefix="ddpcourse-kernel-") as socket_dir:
-            client = NotebookClient(nb, km=ipc_kernel_manager(socket_dir), timeout=cell_timeout,
-                                    allow_errors=True, interrupt_on_timeout=False,
-                                    resources={"metadata": {"path": str(notebook.parent)}})
+            client = ipc_client(nb, socket_dir, notebook.parent, cell_timeout,
+                                allow_errors=True, interrupt_on_timeout=False)
             client.on_cell_execute = remember
             client.execute()
     except DeadKernelError:

@@ -14,19 +14,28 @@ import os
 import tempfile
 from pathlib import Path
 
-from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
+from traitlets.config import Config
 
 
-def ipc_kernel_manager(socket_dir: str, kernel_name: str = "python3") -> AsyncKernelManager:
-    return AsyncKernelManager(kernel_name=kernel_name, transport="ipc",
-                              ip=os.path.join(socket_dir, "kernel"))
+def ipc_kernel_config(socket_dir: str) -> Config:
+    """Config that makes any jupyter_client KernelManager start its kernel on IPC sockets."""
+    config = Config()
+    config.KernelManager.transport = "ipc"
+    config.KernelManager.ip = os.path.join(socket_dir, "kernel")
+    return config
+
+
+def ipc_client(nb, socket_dir: str, cwd: Path, timeout: int, kernel_name: str = "python3",
+               **client_options) -> NotebookClient:
+    """A NotebookClient that starts (and, owning it, shuts down) an IPC kernel in ``cwd``."""
+    return NotebookClient(nb, config=ipc_kernel_config(socket_dir), kernel_name=kernel_name,
+                          timeout=timeout, resources={"metadata": {"path": str(cwd)}},
+                          **client_options)
 
 
 def execute_notebook(nb, cwd: Path, timeout: int, **client_options):
     """Execute ``nb`` in place in a fresh IPC kernel started in ``cwd``; returns ``nb``."""
     with tempfile.TemporaryDirectory(prefix="ddpcourse-kernel-") as socket_dir:
-        client = NotebookClient(nb, km=ipc_kernel_manager(socket_dir), timeout=timeout,
-                                resources={"metadata": {"path": str(cwd)}}, **client_options)
-        client.execute()
+        ipc_client(nb, socket_dir, cwd, timeout, **client_options).execute()
     return nb
