@@ -78,7 +78,6 @@ class _Worker:
                 return None
             self.kill()
             return self._failed("grading timed out", "the submission ran past --student-timeout")
-        self._kill_leftovers()
         self.log.close()
         if self.result_path.exists():
             return json.loads(self.result_path.read_text())
@@ -93,10 +92,6 @@ class _Worker:
             kill_process_group(pid, signal.SIGKILL)
         self.process.wait()
         self.log.close()
-
-    def _kill_leftovers(self) -> None:
-        for pid in live_descendants(self.process.pid):
-            kill_process_group(pid, signal.SIGKILL)
 
     def _failed(self, status: str, why: str) -> dict:
         from autograder.worker import _write_notice
