@@ -6,6 +6,8 @@ Kept light on purpose: importing the package imports nothing heavy. Use the subm
 * :mod:`ddpcourse.dist_env` - set up and tear down a process group in a ``torchrun`` script.
 * :mod:`ddpcourse.toys` - tiny models and generated data sets (nothing is ever downloaded).
 * :mod:`ddpcourse.processes` - process-group, parent-death and orphan-counting helpers.
+* :mod:`ddpcourse.kernels` - execute notebooks in kernels on Unix sockets (no TCP ports).
+* :mod:`ddpcourse.grading` - what graded exercises share (setup cell, integrity, checks).
 """
 
 __version__ = "0.1.0"

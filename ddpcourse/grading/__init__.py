@@ -4,7 +4,8 @@
 * :mod:`ddpcourse.grading.integrity` - notices when notebook code replaced what the tests rely on.
 * :mod:`ddpcourse.grading.comm_audit` - counts what a rank sends and which collectives it calls.
 * :mod:`ddpcourse.grading.checks` - run a student's function in clean ranks and compare.
-* :mod:`ddpcourse.grading.ch05` - the visible checks of chapter 05 (hidden ones are grader-only).
+* :mod:`ddpcourse.grading.ch04`, :mod:`ddpcourse.grading.ch05` - each chapter's visible checks
+  (hidden ones are grader-only, in autograder/hidden/).
 * :mod:`ddpcourse.grading.notebook_runner` - execute a notebook and report each test cell.
 """
 
