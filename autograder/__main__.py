@@ -7,6 +7,12 @@ import sys
 from pathlib import Path
 
 
+def _assignments() -> list[str]:
+    from autograder.assignments import ALL
+
+    return sorted({module.ASSIGNMENT for module in ALL})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autograder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -15,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     grade = sub.add_parser("grade", help="autograde a folder of submissions")
     grade.add_argument("submissions", type=Path,
                        help="nbgrader's submitted/ folder: SUBMISSIONS/{student}/{assignment}/")
-    grade.add_argument("--assignment", default="05_allreduce")
+    grade.add_argument("--assignment", default="05_allreduce", choices=_assignments(),
+                       help="which exercises/ folder the submissions are for (default 05_allreduce)")
     grade.add_argument("--out", type=Path, default=Path("autograder/course"),
                        help="where grades.csv, feedback/ and work/ go (default autograder/course)")
     grade.add_argument("--jobs", type=int, default=None,

@@ -43,4 +43,5 @@ def generate_release(assignment: str, into: Path, solutions_dir: Path = REPO / "
 
 
 def release_all(into: Path = REPO / "exercises") -> list[Path]:
-    return [generate_release(module.ASSIGNMENT, into) for module in ALL]
+    assignments = dict.fromkeys(module.ASSIGNMENT for module in ALL)  # one release per folder
+    return [generate_release(assignment, into) for assignment in assignments]

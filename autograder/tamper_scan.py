@@ -24,8 +24,30 @@ from dataclasses import dataclass
 import nbformat
 
 PROTECTED_ROOTS = ("torch", "ddpcourse", "autograder", "builtins", "sys", "importlib")
-# Names the locked setup cell binds to protected modules and functions.
-SETUP_NAMES = {"torch", "dist", "ch05", "integrity", "run_ranks", "setup_notebook"}
+
+
+def names_bound_to_protected_modules(code: str) -> set[str]:
+    """Names that ``code``'s imports bind to protected modules or their functions."""
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in PROTECTED_ROOTS:
+                    names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in PROTECTED_ROOTS:
+                names.update(alias.asname or alias.name for alias in node.names)
+    return names
+
+
+def _setup_names() -> set[str]:
+    from autograder.assignments import ALL
+
+    return set().union(*(names_bound_to_protected_modules(m.SETUP) for m in ALL))
+
+
+# Names the locked setup cells bind to protected modules and functions (dist, ch05, run_ranks...).
+SETUP_NAMES = {"torch", "dist", "integrity", "run_ranks", "setup_notebook"} | _setup_names()
 FORBIDDEN_CALLS = {"exec", "eval", "compile", "__import__", "setattr", "delattr"}
 FORBIDDEN_MODULES = {"ctypes", "gc", "importlib", "builtins", "inspect"}
 FORBIDDEN_ATTRIBUTES = {"_getframe", "__code__", "__globals__", "__builtins__", "__dict__",

@@ -20,6 +20,12 @@ AVERAGE_CELLS = ["test-average-gradients-two-ranks", "test-average-gradients-ski
                  "test-average-gradients-hidden"]
 RING_CELLS = ["test-ring-allreduce-two-ranks", "test-ring-allreduce-world-sizes",
               "test-ring-allreduce-bandwidth", "test-ring-allreduce-hidden"]
+PART2_CELLS = ["test-broadcast-parameters-two-ranks", "test-broadcast-parameters-buffers-and-frozen",
+               "test-broadcast-parameters-hidden", "test-bucketed-ddp-matches-one-process",
+               "test-bucketed-ddp-one-allreduce-per-bucket", "test-bucketed-ddp-overlaps-backward",
+               "test-bucketed-ddp-hidden"]
+# Grading the class takes 2-4 minutes on 2 quiet cores; more when the machine is busy.
+pytestmark = pytest.mark.timeout(900)
 
 
 def processes_marked(mark: str) -> list[int]:
@@ -64,7 +70,18 @@ def test_every_student_is_in_the_csv_with_the_points_they_earned(graded):
     assert sorted(rows) == sorted(EXPECTED)
     got = {s: (float(r["score"]), r["status"]) for s, r in rows.items()}
     assert got == {s: (float(score), status) for s, (score, status) in EXPECTED.items()}
-    assert all(r["max_score"] == "13" for r in rows.values())
+    assert all(r["max_score"] == "26" for r in rows.values())
+
+
+def test_both_notebooks_are_graded_and_a_missing_one_scores_zero(graded):
+    rows, out, _, _ = graded
+    alice, oscar, bob = rows["alice"], rows["oscar"], rows["bob"]
+    assert [alice[c] for c in PART2_CELLS] == ["1", "1", "1", "3", "2", "2", "3"]
+    # no overlap: only the overlap cell is lost; part 1 was not handed in
+    assert [oscar[c] for c in PART2_CELLS] == ["1", "1", "1", "3", "2", "0", "3"]
+    assert all(oscar[c] == "0" for c in AVERAGE_CELLS + RING_CELLS)
+    assert all(bob[c] == "0" for c in PART2_CELLS)
+    assert (out / "feedback" / "oscar" / "05_allreduce" / "bucketed_ddp.html").exists()
 
 
 def test_a_wrong_answer_loses_exactly_the_points_of_its_cells(graded):
@@ -100,16 +117,21 @@ def test_students_whose_kernel_died_or_blocked_still_get_a_row_and_feedback(grad
 
 def test_every_student_gets_a_small_feedback_page_without_the_hidden_checks(graded):
     _, out, _, _ = graded
-    hidden_source = (ROOT / "autograder/hidden/ch05.py").read_text()
+    hidden_source = "\n".join((ROOT / "autograder/hidden" / name).read_text()
+                              for name in ("ch05.py", "ch05_ddp.py"))
     secret_lines = [line.strip() for line in hidden_source.splitlines()
                     if line.strip().startswith("(") or "_hidden(" in line]
     for student in EXPECTED:
-        page = out / "feedback" / student / "05_allreduce" / "allreduce_by_hand.html"
-        assert page.exists(), student
-        assert page.stat().st_size < 3_000_000, f"{student}'s feedback is {page.stat().st_size} B"
-        text = page.read_text()
-        for line in secret_lines:
-            assert line not in text, f"hidden check code shown to {student}: {line}"
+        pages = sorted((out / "feedback" / student / "05_allreduce").glob("*.html"))
+        expected = (["bucketed_ddp"] if student == "oscar" else
+                    ["allreduce_by_hand", "bucketed_ddp"] if student == "alice" else
+                    ["allreduce_by_hand"])
+        assert [page.stem for page in pages] == expected, student
+        for page in pages:
+            assert page.stat().st_size < 3_000_000, f"{student}'s {page.name}: {page.stat().st_size} B"
+            text = page.read_text()
+            for line in secret_lines:
+                assert line not in text, f"hidden check code shown to {student}: {line}"
 
 
 def test_the_summary_table_lists_everyone(graded):

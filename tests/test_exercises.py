@@ -69,7 +69,7 @@ def test_student_self_check_reports_each_visible_test_cell(tmp_path):
                            "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 1, done.stdout
-    assert "5 failed, 2 skipped" in done.stdout
+    assert "10 failed, 4 skipped" in done.stdout
     assert "test-ring-allreduce-bandwidth failed" in done.stdout
 
     sys.path.insert(0, str(ROOT / "tests"))

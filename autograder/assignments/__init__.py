@@ -1,5 +1,17 @@
-"""One module per assignment; each defines ASSIGNMENT, NOTEBOOK and cells()."""
+"""One module per exercise notebook; each defines ASSIGNMENT, NOTEBOOK, SETUP and cells().
 
-from autograder.assignments import ch04_process_groups, ch05_allreduce
+An assignment (a folder of exercises/) may hold several notebooks: 05_allreduce has two.
+"""
 
-ALL = [ch04_process_groups, ch05_allreduce]
+from autograder.assignments import (
+    ch00_setup,
+    ch01_why_ddp,
+    ch02_dp_ddp_fsdp,
+    ch03_torchrun,
+    ch04_process_groups,
+    ch05_allreduce,
+    ch05_bucketed_ddp,
+)
+
+ALL = [ch00_setup, ch01_why_ddp, ch02_dp_ddp_fsdp, ch03_torchrun, ch04_process_groups,
+       ch05_allreduce, ch05_bucketed_ddp]

@@ -21,7 +21,7 @@ INTRO = """
 # Exercise 05: AllReduce by hand
 
 You will write the two pieces of communication at the heart of DDP, and the tests will run your
-code in **real process groups** of 1 to 4 ranks (gloo on CPU; NCCL when each rank has a GPU).
+code in **real process groups** of 1 to 4 ranks (gloo, with CPU tensors, also on GPU machines).
 
 **How your code runs.** Each test calls your function inside `run_ranks(fn, world_size)`, which
 starts `world_size` processes, joins them in a process group, and calls `fn(rank, world_size)` in
@@ -69,7 +69,7 @@ def try_average(rank, world_size):
     average_gradients(model)
     return model.weight.grad
 
-run_ranks(try_average, 2, timeout=15)
+run_ranks(try_average, 2, timeout=15, backend="gloo")  # CPU tensors: gloo, also on GPUs
 """
 
 
@@ -131,7 +131,7 @@ def try_ring(rank, world_size):
     ring_allreduce(t)
     return t, torch.equal(t, expected)
 
-run_ranks(try_ring, 3, timeout=15)
+run_ranks(try_ring, 3, timeout=15, backend="gloo")  # CPU tensors: gloo, also on GPUs
 """
 
 

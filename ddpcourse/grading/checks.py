@@ -49,16 +49,47 @@ def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Cal
             "created outside it"
         ) from None
     try:
+        # gloo also on GPU machines: the checks build CPU tensors, which NCCL cannot reduce.
         results = run_ranks(_in_rank, world_size, rank_check, payload, args, timeout=timeout,
-                            seed=0, max_output_bytes=20_000,
+                            seed=0, max_output_bytes=20_000, backend="gloo",
                             init_process_group=init_process_group)
     except RankError as err:
         raise CheckFailed(explain(err, hide_internals)) from None
     wrong = [f"rank {rank}: {r.message}" for rank, r in enumerate(results)
-             if isinstance(r, _WrongResult)]
+             if isinstance(r, _WrongResult) and r.message != _PEER_FAILED]
     if wrong:
         raise CheckFailed("\n".join(wrong))
     return results
+
+
+_PEER_FAILED = "(stopped: another rank's check failed)"
+
+
+def agree(problem: str | None) -> None:
+    """Make a failed check end the case on EVERY rank, not only on the rank that noticed.
+
+    Call it at the same point on every rank, outside the student's code: a rank that stopped
+    alone would leave its peers waiting forever in their next collective (and the student would
+    read "deadlock" instead of what was wrong). Needs the default process group.
+    """
+    import torch.distributed as dist
+
+    failed = torch.tensor([0 if problem is None else 1])
+    dist.all_reduce(failed)
+    if problem is not None:
+        raise CheckFailed(problem)
+    if failed.item():
+        raise CheckFailed(_PEER_FAILED)
+
+
+def agree_on(check: Callable[..., Any], *args) -> None:
+    """Run ``check(*args)`` (which raises CheckFailed when wrong), then :func:`agree`."""
+    try:
+        check(*args)
+    except CheckFailed as failed:
+        agree(str(failed))
+    else:
+        agree(None)
 
 
 class _WrongResult:

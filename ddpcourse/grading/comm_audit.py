@@ -32,10 +32,16 @@ class CommRecord:
     ops: list[str] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
+    # (op, bytes of its tensor arguments) for every collective, in call order
+    collective_calls: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def collectives(self) -> list[str]:
         return [op for op in self.ops if op not in POINT_TO_POINT]
+
+    def calls_of(self, op: str) -> list[int]:
+        """Bytes of each call of one collective (e.g. ``"allreduce_"``), in call order."""
+        return [nbytes for name, nbytes in self.collective_calls if name == op]
 
 
 class CommAudit(TorchDispatchMode):
@@ -50,6 +56,8 @@ class CommAudit(TorchDispatchMode):
         if namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
             if op not in ("wait_tensor", "_wrap_tensor_autograd"):
                 self.record.ops.append(op)
+                if op not in POINT_TO_POINT:
+                    self.record.collective_calls.append((op, _tensor_bytes(args[0])))
             if op == "send":
                 self.record.bytes_sent += _tensor_bytes(args[0])
             elif op in ("recv_", "recv_any_source_"):

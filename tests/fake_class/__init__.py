@@ -1,8 +1,10 @@
 """A small fake class for the autograder's tests: one submission per way a student can go wrong.
 
 Each submission starts from the committed student release of 05_allreduce and fills in (or
-breaks) cells, exactly as a student editing the notebook would. ``EXPECTED`` says what each must
-score out of 13, and with which status.
+breaks) cells, exactly as a student editing the notebook would. The assignment has two notebooks,
+``allreduce_by_hand`` (13 points) and ``bucketed_ddp`` (13 points); most students hand in only the
+first, which must not stop nbgrader from grading it (the missing one scores 0). ``EXPECTED`` says
+what each must score out of 26, and with which status.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = ROOT / "exercises/05_allreduce/allreduce_by_hand.ipynb"
 SOLUTIONS = ROOT / "solutions/05_allreduce/allreduce_by_hand.ipynb"
+PART2_RELEASE = ROOT / "exercises/05_allreduce/bucketed_ddp.ipynb"
+PART2_SOLUTIONS = ROOT / "solutions/05_allreduce/bucketed_ddp.ipynb"
 
-def _solution_source(grade_id: str) -> str:
-    nb = nbformat.read(SOLUTIONS, as_version=4)
+
+def _solution_source(grade_id: str, solutions: Path = SOLUTIONS) -> str:
+    nb = nbformat.read(solutions, as_version=4)
     source = next(c.source for c in nb.cells
                   if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
     return "\n".join(line for line in source.splitlines()
@@ -58,10 +63,10 @@ def ring_allreduce(tensor):
 
 
 def build(cells: dict[str, str], extra_after: dict[str, str] = None, replace_tests: dict = None,
-          delete: list[str] = ()) -> nbformat.NotebookNode:
+          delete: list[str] = (), release: Path = RELEASE) -> nbformat.NotebookNode:
     """The release with solution cells ``cells`` filled in, code ``extra_after[grade_id]`` in a new
     cell after that cell, test cells' source replaced or deleted (tampering)."""
-    nb = copy.deepcopy(nbformat.read(RELEASE, as_version=4))
+    nb = copy.deepcopy(nbformat.read(release, as_version=4))
     out = []
     for cell in nb.cells:
         grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
@@ -117,9 +122,25 @@ SUBMISSIONS = {
         "def average_gradients(model):\n    pass")}),
 }
 
-# student -> (score out of 13, status)
+BROADCAST = _solution_source("broadcast-parameters", PART2_SOLUTIONS)
+BUCKETED = _solution_source("bucketed-ddp", PART2_SOLUTIONS)
+BUCKETED_AFTER_BACKWARD = BUCKETED.replace(
+    "if self._missing[index] == 0:\n            self._launch(index)",
+    "pass  # every bucket is all-reduced in finish_gradient_synchronization: no overlap")
+assert BUCKETED_AFTER_BACKWARD != BUCKETED
+
+# student -> the second notebook, for those who hand it in
+PART2 = {
+    "alice": build({"broadcast-parameters": BROADCAST, "bucketed-ddp": BUCKETED},
+                   release=PART2_RELEASE),
+    # oscar hands in only part 2, and his buckets wait for the end of backward
+    "oscar": build({"broadcast-parameters": BROADCAST, "bucketed-ddp": BUCKETED_AFTER_BACKWARD},
+                   release=PART2_RELEASE),
+}
+
+# student -> (score out of 26, status)
 EXPECTED = {
-    "alice": (13, "graded"),
+    "alice": (26, "graded"),
     "bob": (9, "graded"),
     "carol": (4, "graded"),
     "dave": (9, "graded"),
@@ -131,13 +152,17 @@ EXPECTED = {
     "mallory": (0, "flagged for tampering"),
     "nadia": (0, "graded"),
     "trent": (0, "flagged for tampering"),
+    "oscar": (11, "graded"),  # 13 of part 2 but the 2 points of the overlap test
 }
 
 
 def write_class(root: Path, students=None) -> Path:
-    """Write ``root/submitted/{student}/05_allreduce/allreduce_by_hand.ipynb``; return ``root``."""
-    for student in students or SUBMISSIONS:
+    """Write ``root/submitted/{student}/05_allreduce/{notebook}.ipynb``; return ``root``."""
+    for student in students or EXPECTED:
         folder = root / "submitted" / student / "05_allreduce"
         folder.mkdir(parents=True, exist_ok=True)
-        nbformat.write(SUBMISSIONS[student], folder / "allreduce_by_hand.ipynb")
+        if student in SUBMISSIONS:
+            nbformat.write(SUBMISSIONS[student], folder / "allreduce_by_hand.ipynb")
+        if student in PART2:
+            nbformat.write(PART2[student], folder / "bucketed_ddp.ipynb")
     return root
