@@ -325,8 +325,8 @@ of gradients), the same global batches and SGD:
    are copied into flat **buckets** and each bucket is all-reduced once it is full, so 14 small
    messages become a few large ones (section 6 showed how poor small messages are). A comm hook
    ([`register_comm_hook`]({TAG}torch/nn/parallel/distributed.py#L2178)) wraps the all-reduce to
-   count the buckets. Writing this bucketed, overlapping DDP yourself is exercise 05's third task,
-   so it is not written out here."""),
+   count the buckets. Writing this bucketed, overlapping DDP yourself is exercise 05's `BucketedDDP`
+   (in `bucketed_ddp.ipynb`), so it is not written out here."""),
     code("""show(three_ddp_designs.HookAllReduce)
 designs = run_ranks(three_ddp_designs.run_designs, 2, steps=12)
 print(three_ddp_designs.format_report(designs[0], 2))
@@ -436,9 +436,11 @@ construction makes differently-seeded models equal.)
 * DDP = averaged gradients + overlap with backward (hooks) + buckets, plus a broadcast of rank
   0's state at construction, without which replicas that start apart stay apart.
 
-**Exercises** (`exercises/05_allreduce/allreduce_by_hand.ipynb`): write `average_gradients` and
-a bandwidth-optimal `ring_allreduce` from send/recv; check yourself with
-`pytest exercises/05_allreduce` from the repository root."""),
+**Exercises** (`exercises/05_allreduce/`): in `allreduce_by_hand.ipynb` write
+`average_gradients` and a bandwidth-optimal `ring_allreduce` from send/recv; in
+`bucketed_ddp.ipynb` write `broadcast_parameters` and `BucketedDDP`, your own bucketed DDP whose
+all-reduces overlap backward. Check yourself with `pytest exercises/05_allreduce` from the
+repository root."""),
 ]
 
 nb = new_notebook(cells=cells, metadata={
