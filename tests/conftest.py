@@ -11,6 +11,9 @@ from ddpcourse.processes import live_descendants
 
 
 def pytest_sessionstart(session):
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config,
+                                                                            "workerinput"):
+        return  # the pytest-xdist controller runs no tests; its workers start their own servers
     prestart()  # the rank servers import torch while pytest collects
 
 
