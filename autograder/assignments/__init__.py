@@ -11,7 +11,8 @@ from autograder.assignments import (
     ch04_process_groups,
     ch05_allreduce,
     ch05_bucketed_ddp,
+    ch06_data_loading,
 )
 
 ALL = [ch00_setup, ch01_why_ddp, ch02_dp_ddp_fsdp, ch03_torchrun, ch04_process_groups,
-       ch05_allreduce, ch05_bucketed_ddp]
+       ch05_allreduce, ch05_bucketed_ddp, ch06_data_loading]

@@ -20,7 +20,6 @@ import contextlib
 import io
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ddpcourse
 from ddpcourse.grading.checks import CheckFailed, run_student
+from ddpcourse.grading.forbidden import call_watching
 
 # --- bus_bandwidth ----------------------------------------------------------------------------
 
@@ -48,31 +48,19 @@ def reference_bandwidth(collective: str, nbytes: int, seconds: float, world_size
 
 
 def _own_code_call(bus_bandwidth, args):
-    """Call the student's function with stdout captured; return (result, exception).
+    """Call the student's function, output dropped; return (result, exception).
 
-    A profile hook (sys.setprofile sees every Python call, however the function was imported)
-    fails the check if any function of the ``ddpcourse`` package runs during the call:
+    Fails the check if any function of the ``ddpcourse`` package runs during the call:
     ``ddpcourse.doctor`` computes these figures, and importing it is not the exercise."""
-    called: list[str] = []
-
-    def spy(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-            called.append(f"{frame.f_globals.get('__name__', 'ddpcourse')}.{frame.f_code.co_name}")
-
-    got, raised = None, None
-    with contextlib.redirect_stdout(io.StringIO()):
-        sys.setprofile(spy)
-        try:
-            got = bus_bandwidth(*args)
-        except Exception as exc:  # noqa: BLE001 - the caller judges the exception
-            raised = exc
-        finally:
-            sys.setprofile(None)
-    if called:
-        raise CheckFailed(f"bus_bandwidth{args} called {sorted(set(called))} from the course's "
-                          "package: write the formulas yourself (ddpcourse.doctor computes "
-                          "them; using it is not the exercise)")
-    return got, raised
+    watched = call_watching(bus_bandwidth, args, {}, _PACKAGE_DIR)
+    if watched.forbidden_calls:
+        raise CheckFailed(f"bus_bandwidth{args} called {sorted(watched.forbidden_calls)} from the "
+                          "course's package: write the formulas yourself (ddpcourse.doctor "
+                          "computes them; using it is not the exercise)")
+    if watched.hook_removed:
+        raise CheckFailed(f"bus_bandwidth{args} changed the profile hook (sys.setprofile) the "
+                          "check watches with: leave it alone")
+    return watched.result, watched.exception
 
 
 def bandwidth_cases_case(rank, world_size, bus_bandwidth, cases, errors):

@@ -1,0 +1,193 @@
+"""The checks of exercise 06 (shard_indices, DistributedSampler by hand) pass right solutions,
+catch plausible wrong ones, and rest on facts about the sampler measured here."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from autograder.hidden import ch06 as hidden06
+from ddpcourse.grading import ch06, integrity
+from ddpcourse.grading.checks import CheckFailed
+
+
+@pytest.fixture(autouse=True)
+def _snapshot():
+    integrity.snapshot()
+
+
+def make(order="randperm", pad="repeat", seed_with_epoch=True, share="strided", drop="honour",
+         validate=True):
+    """A shard_indices with one rule changed; the defaults give the right one."""
+    def shard_indices(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0,
+                      drop_last=False):
+        if validate and not 0 <= rank < num_replicas:
+            raise ValueError(rank)
+        order_ = list(range(dataset_len))
+        if shuffle and order == "randperm":
+            g = torch.Generator()
+            g.manual_seed(seed + epoch if seed_with_epoch else seed)
+            order_ = torch.randperm(dataset_len, generator=g).tolist()
+        elif shuffle:
+            random.Random(seed + epoch).shuffle(order_)
+        honour = drop_last and drop == "honour"
+        per_rank = dataset_len // num_replicas if honour else math.ceil(dataset_len / num_replicas)
+        total = per_rank * num_replicas
+        if total > dataset_len:
+            filler = {"repeat": order_ * total, "zeros": [0] * total,
+                      "last": order_[-1:] * total}[pad]
+            order_ = order_ + filler[:total - dataset_len]
+        order_ = order_[:total]
+        if share == "strided":
+            return order_[rank:total:num_replicas]
+        return order_[rank * per_rank:(rank + 1) * per_rank]
+    return shard_indices
+
+
+def uses_the_sampler(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0,
+                     drop_last=False):
+    sampler = DistributedSampler(range(dataset_len), num_replicas, rank, shuffle, seed, drop_last)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def uses_the_sampler_from_torch_utils_data(dataset_len, num_replicas, rank, shuffle=True, seed=0,
+                                           epoch=0, drop_last=False):
+    from torch.utils.data import DistributedSampler as Imported
+
+    sampler = Imported(range(dataset_len), num_replicas, rank, shuffle, seed, drop_last)
+    sampler.set_epoch(epoch)
+    return [int(i) for i in sampler]
+
+
+def no_padding(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0, drop_last=False):
+    return make()(dataset_len, 1, 0, shuffle, seed, epoch)[rank::num_replicas]
+
+
+def seeded_per_rank(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0,
+                    drop_last=False):
+    """Each rank its own permutation: the shares overlap and miss samples."""
+    return make()(dataset_len, num_replicas, rank, shuffle, seed + 1000 * rank, epoch, drop_last)
+
+
+def sampler_in_a_thread(*args, **kwargs):
+    import threading
+
+    out = []
+    worker = threading.Thread(target=lambda: out.append(uses_the_sampler(*args, **kwargs)))
+    worker.start()
+    worker.join()
+    return out[0]
+
+
+def switches_the_hook_off(*args, **kwargs):
+    import sys
+
+    sys.setprofile(None)
+    return uses_the_sampler(*args, **kwargs)
+
+
+def sampler_on_the_last_rank_only(dataset_len, num_replicas, rank, *args, **kwargs):
+    fn = uses_the_sampler if rank == num_replicas - 1 else make()
+    return fn(dataset_len, num_replicas, rank, *args, **kwargs)
+
+
+def returns_a_tensor(dataset_len, num_replicas, rank, **kwargs):
+    return torch.tensor(make()(dataset_len, num_replicas, rank, **kwargs), dtype=torch.long)
+
+
+def test_the_reference_solution_passes_every_check():
+    right = make()
+    ch06.check_shard_indices_without_shuffle(right)
+    ch06.check_shard_indices_shuffled(right)
+    ch06.check_shard_indices_drop_last_and_bad_ranks(right)
+    hidden06.check_shard_indices(right)
+
+
+VISIBLE = {"no_shuffle": ch06.check_shard_indices_without_shuffle,
+           "shuffled": ch06.check_shard_indices_shuffled,
+           "drop_last": ch06.check_shard_indices_drop_last_and_bad_ranks}
+
+
+@pytest.mark.parametrize("wrong, check, message", [
+    (make(pad="zeros"), "no_shuffle", r"shard_indices\(10, 3, 2, shuffle=False\): expected "
+                                      r"\[2, 5, 8, 1\], got \[2, 5, 8, 0\]"),
+    (make(pad="zeros"), "shuffled", "first difference at position"),
+    (make(pad="last"), "no_shuffle", r"position 5: expected 0, got 10"),
+    (make(seed_with_epoch=False), "shuffled", r"epoch=1.*first difference"),
+    (make(share="contiguous"), "no_shuffle", r"expected \[1, 3, 5, 7, 9\], got \[5, 6, 7, 8, 9\]"),
+    (make(order="random.shuffle"), "shuffled", "first difference at position"),
+    (uses_the_sampler, "no_shuffle", r"ran code of torch/utils/data/distributed.py.*__init__"),
+    (uses_the_sampler_from_torch_utils_data, "shuffled", "ran code of torch/utils/data/distrib"),
+    (make(drop="ignored"), "drop_last", r"drop_last=True.*lengths differ: expected 5 indices, "
+                                        r"got 6"),
+    (make(validate=False), "drop_last", r"\(rank == num_replicas\): expected ValueError"),
+    (sampler_in_a_thread, "shuffled", r"ran code of torch/utils/data/distributed.py.*__init__"),
+    (sampler_on_the_last_rank_only, "no_shuffle", r"^rank 1: shard_indices\(10, 2, 1, shuffle="
+                                                  r"False\) ran code of torch/utils/data/[^\n]*$"),
+    (switches_the_hook_off, "drop_last", "changed the profiler hook"),
+    (returns_a_tensor, "no_shuffle", "expected a list of Python ints"),
+    (no_padding, "no_shuffle", r"\(11, 2, rank, shuffle=False\) on every rank: the ranks got "
+                               r"different numbers of indices \[6, 5\]"),
+    (seeded_per_rank, "shuffled", r"together the ranks must cover every index of range\(10\)"),
+])
+def test_the_visible_checks_catch_wrong_samplers(wrong, check, message):
+    with pytest.raises(CheckFailed, match=message):
+        VISIBLE[check](wrong)
+
+
+def no_error_for_zero_replicas(dataset_len, num_replicas, rank, **kwargs):
+    if num_replicas < 1:
+        return []
+    return make()(dataset_len, num_replicas, rank, **kwargs)
+
+
+def pads_once(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0, drop_last=False):
+    """Repeats the start, but only one pass: wrong when the dataset is smaller than the world."""
+    right = make()
+    if drop_last or dataset_len == 0 or dataset_len >= num_replicas:
+        return right(dataset_len, num_replicas, rank, shuffle, seed, epoch, drop_last)
+    order = right(dataset_len, 1, 0, shuffle, seed, epoch)
+    padded = order + order[:num_replicas - dataset_len]
+    return padded[rank::num_replicas]
+
+
+def crashes_on_empty(dataset_len, num_replicas, rank, **kwargs):
+    return make()(dataset_len, num_replicas, rank, **kwargs) if dataset_len else [None]
+
+
+def test_the_hidden_checks_catch_what_the_visible_ones_miss():
+    for wrong, message in [
+        (no_error_for_zero_replicas, r"\(num_replicas 0\): expected ValueError"),
+        (pads_once, r"\(1, 4, rank\) on every rank: the ranks got different numbers of "
+                    r"indices \[1, 1, 0, 0\]"),
+        (crashes_on_empty, r"shard_indices\(0, 1, 0\): expected a list of Python ints"),
+    ]:
+        for visible in VISIBLE.values():
+            visible(wrong)
+        with pytest.raises(CheckFailed, match=message):
+            hidden06.check_shard_indices(wrong)
+
+
+def test_the_sampler_behaves_as_the_task_says():
+    """Backs the task text: padding repeats the start (several passes when needed), drop_last
+    keeps len // n per rank, an empty dataset is accepted, num_replicas < 1 is a ValueError."""
+    def shards(n, world, **kwargs):
+        return [ch06.reference_indices(n, world, r, **kwargs) for r in range(world)]
+
+    assert shards(10, 3, shuffle=False) == [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]
+    assert shards(1, 4) == [[0]] * 4
+    assert shards(2, 4, shuffle=False, drop_last=True) == [[]] * 4
+    assert shards(11, 2, shuffle=False, drop_last=True) == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    assert shards(0, 3) == [[]] * 3
+    g = torch.Generator()
+    g.manual_seed(5 + 2)
+    permutation = torch.randperm(7, generator=g).tolist()
+    assert ch06.reference_indices(7, 1, 0, seed=5, epoch=2) == permutation
+    for args in [(10, 0, 0), (10, -2, 0), (10, 2, 2), (10, 2, -1)]:
+        with pytest.raises(ValueError):
+            ch06.reference_indices(*args)
