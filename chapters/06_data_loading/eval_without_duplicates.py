@@ -1,0 +1,101 @@
+"""Distributed evaluation with ``DistributedSampler``: the padded average is biased; de-duplicate.
+
+    torchrun --standalone --nproc_per_node 2 chapters/06_data_loading/eval_without_duplicates.py
+
+A fixed model (``make_model(0)``) is evaluated on a generated regression set whose length does
+not divide by the world size, three ways:
+
+* ``single process``: the mean squared error over the whole set, on one rank (the reference);
+* ``naive``: each rank averages its ``DistributedSampler`` shard, the ranks average those means
+  (``all_reduce``). The sampler repeated a few samples to make the shards equal, so they count
+  twice;
+* ``de-duplicated``: each rank ``all_gather``\\ s its (index, per-sample error) pairs, keeps each
+  index once, and averages;
+* ``sum and count``: each rank takes the unpadded strided slice ``range(rank, n, world_size)``,
+  and the ranks ``all_reduce`` their error sums and sample counts.
+
+Rank 0 prints the four numbers and exits with code 1 unless the last two equal the reference and
+the naive one does not.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+from ddpcourse.dist_env import process_group
+from ddpcourse.toys import make_model, make_regression
+
+
+def per_sample_errors(n: int, indices: list[int]) -> torch.Tensor:
+    """Squared error of the fixed model on the samples ``indices`` of an ``n``-sample set."""
+    x, y = make_regression(n, seed=1).tensors
+    with torch.no_grad():
+        return (make_model(0)(x[indices]) - y[indices]).pow(2).squeeze(1)
+
+
+def single_process(n: int) -> float:
+    return per_sample_errors(n, list(range(n))).mean().item()
+
+
+def naive(n: int) -> float:
+    """Mean of the ranks' means over their padded shards: repeated samples count twice."""
+    shard = list(DistributedSampler(range(n), shuffle=True))
+    mean = per_sample_errors(n, shard).mean().reshape(1)
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
+def deduplicated(n: int) -> float:
+    """Gather (index, error) from every rank; keep each index once."""
+    shard = list(DistributedSampler(range(n), shuffle=True))
+    errors = per_sample_errors(n, shard)
+    indices = torch.tensor(shard)
+    world = dist.get_world_size()
+    all_indices = [torch.empty_like(indices) for _ in range(world)]  # equal lengths: the sampler
+    all_errors = [torch.empty_like(errors) for _ in range(world)]
+    dist.all_gather(all_indices, indices)
+    dist.all_gather(all_errors, errors)
+    by_index = dict(zip(torch.cat(all_indices).tolist(), torch.cat(all_errors).tolist()))
+    assert sorted(by_index) == list(range(n))
+    return sum(by_index.values()) / n
+
+
+def sum_and_count(n: int) -> float:
+    """Unpadded shards of unequal length; reduce the sum and the count, divide at the end."""
+    shard = list(range(dist.get_rank(), n, dist.get_world_size()))
+    errors = per_sample_errors(n, shard)
+    totals = torch.tensor([errors.sum().item(), float(len(shard))], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def evaluate_all(rank: int, world_size: int, n: int) -> dict[str, float]:
+    """All four evaluations (call inside a process group, e.g. via ``run_ranks``)."""
+    return {"single process": single_process(n), "naive": naive(n),
+            "de-duplicated": deduplicated(n), "sum and count": sum_and_count(n)}
+
+
+def main() -> int:
+    with process_group(timeout_s=30) as ctx:
+        n = 3 * ctx.world_size + 1
+        results = evaluate_all(ctx.rank, ctx.world_size, n)
+        if not ctx.is_main:
+            return 0
+        padded = -n % ctx.world_size
+        print(f"{n} samples on {ctx.world_size} ranks: the sampler repeats {padded} of them")
+        for name, value in results.items():
+            print(f"  {name:<15} MSE = {value:.6f}")
+        reference = results["single process"]
+        ok = (abs(results["de-duplicated"] - reference) < 1e-6
+              and abs(results["sum and count"] - reference) < 1e-6
+              and (padded == 0 or abs(results["naive"] - reference) > 1e-6))
+        print("checks:", "passed" if ok else "FAILED")
+        return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Chapter 06 (data loading): what ``DistributedSampler`` returns, the padded-evaluation bias and
+its fixes, ``set_epoch``, and the uneven-inputs demo (fails without a fix, runs with one).
+
+Multi-rank checks use ``run_ranks`` (deadlines, no ports); ``uneven_inputs.py`` is launched
+under torchrun (``--standalone``: the OS picks the port) with a deadline, killed as a group.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from ddpcourse.launcher import RankTimeoutError, run_ranks
+from ddpcourse.processes import run_bounded
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = ROOT / "chapters" / "06_data_loading"
+sys.path.insert(0, str(CHAPTER))  # the ranks get this sys.path too
+
+import eval_without_duplicates as ev  # noqa: E402
+import sampler_shards as ss  # noqa: E402
+import uneven_inputs as ui  # noqa: E402
+
+SIZES = [(n, w) for n in range(1, 12) for w in range(1, 5)]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_padding_repeats_the_first_indices_and_never_invents_one(shuffle):
+    for n, world_size in SIZES:
+        per_rank = ss.shards(n, world_size, shuffle=shuffle, epoch=2)
+        assert [len(s) for s in per_rank] == [math.ceil(n / world_size)] * world_size
+        flat = [i for s in per_rank for i in s]
+        assert set(flat) == set(range(n)), (n, world_size, per_rank)  # covered, nothing new
+        order = ss.shards(n, 1, shuffle=shuffle, epoch=2)[0]
+        extra = len(flat) - n
+        expected = (order * (extra // n + 1))[:extra]  # the order again, from its start
+        assert Counter(flat) - Counter(range(n)) == Counter(expected), (n, world_size, per_rank)
+
+
+def test_drop_last_drops_the_tail_and_repeats_nothing():
+    for n, world_size in SIZES:
+        if n < world_size:
+            continue
+        per_rank = ss.shards(n, world_size, shuffle=True, drop_last=True)
+        assert [len(s) for s in per_rank] == [n // world_size] * world_size
+        assert ss.repeated(per_rank) == []
+
+
+def epochs_both_ways(rank, world_size, n):
+    return (ss.gathered_epochs(n, 3, call_set_epoch=True),
+            ss.gathered_epochs(n, 3, call_set_epoch=False))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_set_epoch_changes_the_order_and_every_rank_shuffles_alike(world_size, no_orphans):
+    n = 10
+    results = run_ranks(epochs_both_ways, world_size, n, timeout=30)
+    with_epochs, without_epochs = results[0]
+    for rank in range(world_size):  # what each rank's own sampler yielded, as gathered
+        assert [e[rank] for e in results[rank][0]] == [e[rank] for e in with_epochs]
+    assert len({tuple(e[0]) for e in with_epochs}) == 3
+    assert all(e == without_epochs[0] for e in without_epochs)
+    for epoch in with_epochs:  # disjoint strides of one permutation: identical on every rank
+        flat = [i for s in epoch for i in s]
+        assert set(flat) == set(range(n)) and len(flat) == world_size * math.ceil(n / world_size)
+    assert ss.check(n, world_size, with_epochs, without_epochs) == []
+
+
+def test_check_catches_a_sampler_that_ignores_set_epoch():
+    stuck = [[list(range(10))[r::2] for r in range(2)]] * 3
+    assert ss.check(10, 2, stuck, stuck) != []
+
+
+@pytest.mark.parametrize("n, world_size", [(10, 3), (7, 2)])
+def test_naive_padded_evaluation_is_biased_and_the_fixes_are_exact(n, world_size, no_orphans):
+    results = run_ranks(ev.evaluate_all, world_size, n, timeout=30)
+    for r in results:
+        reference = r["single process"]
+        assert abs(r["naive"] - reference) > 1e-3 * reference
+        assert r["de-duplicated"] == pytest.approx(reference, rel=1e-6)
+        assert r["sum and count"] == pytest.approx(reference, rel=1e-6)
+
+
+def test_evaluations_agree_when_nothing_is_padded(no_orphans):
+    r = run_ranks(ev.evaluate_all, 3, 9, timeout=30)[0]
+    assert r["naive"] == pytest.approx(r["single process"], rel=1e-6)
+
+
+def test_uneven_batches_block_ddp_and_the_fixes_run(no_orphans):
+    with pytest.raises(RankTimeoutError):
+        run_ranks(ui.train, 2, "none", timeout=5, relay_output=False)
+    assert run_ranks(ui.train, 2, "sampler", timeout=30) == [3, 3]
+    assert run_ranks(ui.train, 2, "join", timeout=30) == [3, 2]
+
+
+@pytest.mark.parametrize("fix", ui.FIXES)
+def test_uneven_inputs_script_fails_without_a_fix_and_runs_with_one(fix, no_orphans):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(CHAPTER / "uneven_inputs.py"), "--fix", fix]
+    done = run_bounded(cmd, 60, cwd=ROOT)
+    assert not done.timed_out, "the process-group timeout should have turned the hang into an error"
+    if fix == "none":
+        assert done.returncode != 0
+        assert "Timed out" in done.stderr, done.stderr[-2000:]
+    else:
+        assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+        assert f"--fix {fix}: batches per rank" in done.stdout
+        assert "terminate called" not in done.stderr
