@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,6 +49,14 @@ class DistContext:
         """print() on rank 0 only."""
         if self.is_main:
             print(*args, **kwargs, flush=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS reports free now (bind port 0, read it, close it).
+    Another process may take it before it is used; for demos and tests, never a fixed port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pick_backend(local_world_size: int) -> str:

@@ -26,7 +26,6 @@ article's fixed 29500, so the script never collides with another run.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -36,12 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ddpcourse.doctor import algorithm_bandwidth, all_reduce_bus_bandwidth
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ddpcourse.dist_env import free_port
 
 
 def median_time(fn, device: torch.device, repeats: int = 10) -> float:

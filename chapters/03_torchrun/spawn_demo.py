@@ -16,21 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddpcourse.dist_env import process_group
-
-
-def free_port() -> int:
-    """A port the OS says is free right now (another program could still take it before us)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ddpcourse.dist_env import free_port, process_group
 
 
 def worker(index: int, nprocs: int) -> None:

@@ -7,21 +7,15 @@ every one of them destroys the group it made before returning.
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ddpcourse.dist_env import free_port  # noqa: F401 - tests and the notebook use _demos.free_port
+
 SHORT = timedelta(seconds=10)
-
-
-def free_port() -> int:
-    """A port the OS reports free now (bind port 0, read it, close it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def join_and_sum(rank: int, world_size: int, init_method: str) -> dict:

@@ -29,13 +29,13 @@ import io
 import json
 import os
 import re
-import socket
 import sys
 import tempfile
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ddpcourse.dist_env import free_port
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.processes import run_bounded
 
@@ -202,12 +202,6 @@ sys.stdout.write("WORKER " + report + "\\n")  # one write: workers of a node sha
 sys.stdout.flush()
 dist.destroy_process_group()
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def argvs_case(rank, world_size, fn, envs, script, port):
