@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ddpcourse
-from ddpcourse.grading.checks import CheckFailed, run_student
+from ddpcourse.grading.checks import CheckFailed, group_problem, run_student
 from ddpcourse.grading.forbidden import call_watching
 
 # --- bus_bandwidth ----------------------------------------------------------------------------
@@ -256,21 +256,6 @@ def _judge(result, mode, printed, rank, world_size, corruption, what) -> str | N
         return (f"{what}: this rank's all-reduce result was right"
                 + (" (only another rank's was damaged)" if corruption else "")
                 + ", but your function returned False")
-    return None
-
-
-def group_problem(rank, world_size, what) -> str | None:
-    """A real all-reduce after the student's call: None if the group still works."""
-    probe = torch.arange(4, dtype=torch.float64) + rank
-    try:
-        dist.all_reduce(probe)
-    except Exception as exc:  # noqa: BLE001 - any failure here is the finding
-        return (f"after {what}, the process group is unusable: a real all_reduce raised "
-                f"{type(exc).__name__}: {exc}")
-    expected = world_size * torch.arange(4, dtype=torch.float64) + world_size * (world_size - 1) / 2
-    if not torch.equal(probe, expected):
-        return (f"after {what}, a real all_reduce gave {probe.tolist()} instead of "
-                f"{expected.tolist()}: is a collective of yours still pending?")
     return None
 
 

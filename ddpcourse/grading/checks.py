@@ -15,6 +15,7 @@ import pickle
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from ddpcourse import _pickling
 from ddpcourse.grading import integrity
@@ -72,8 +73,6 @@ def agree(problem: str | None) -> None:
     alone would leave its peers waiting forever in their next collective (and the student would
     read "deadlock" instead of what was wrong). Needs the default process group.
     """
-    import torch.distributed as dist
-
     failed = torch.tensor([0 if problem is None else 1])
     dist.all_reduce(failed)
     if problem is not None:
@@ -90,6 +89,22 @@ def agree_on(check: Callable[..., Any], *args) -> None:
         agree(str(failed))
     else:
         agree(None)
+
+
+def group_problem(rank, world_size, what) -> str | None:
+    """A real all-reduce after the student's call: None if the group still works, else what
+    went wrong (a rank that skipped or added a collective leaves its peers out of step)."""
+    probe = torch.arange(4, dtype=torch.float64) + rank
+    try:
+        dist.all_reduce(probe)
+    except Exception as exc:  # noqa: BLE001 - any failure here is the finding
+        return (f"after {what}, the process group is unusable: a real all_reduce raised "
+                f"{type(exc).__name__}: {exc}")
+    expected = world_size * torch.arange(4, dtype=torch.float64) + world_size * (world_size - 1) / 2
+    if not torch.equal(probe, expected):
+        return (f"after {what}, a real all_reduce gave {probe.tolist()} instead of "
+                f"{expected.tolist()}: is a collective of yours still pending?")
+    return None
 
 
 class _WrongResult:
