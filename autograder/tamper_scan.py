@@ -47,7 +47,7 @@ def _setup_names() -> set[str]:
 
 
 # Names the locked setup cells bind to protected modules and functions (dist, ch05, run_ranks...).
-SETUP_NAMES = {"torch", "dist", "integrity", "run_ranks", "setup_notebook"} | _setup_names()
+SETUP_NAMES = _setup_names()
 FORBIDDEN_CALLS = {"exec", "eval", "compile", "__import__", "setattr", "delattr"}
 FORBIDDEN_MODULES = {"ctypes", "gc", "importlib", "builtins", "inspect"}
 FORBIDDEN_ATTRIBUTES = {"_getframe", "__code__", "__globals__", "__builtins__", "__dict__",
