@@ -246,7 +246,7 @@ except RankTimeoutError as error:
         elif "uneven_inputs.py" in line:
             number = int(line.split("line")[1].split()[0])
             print(f"  rank {rank} stuck at uneven_inputs.py:{number}: {linecache.getline(ui.__file__, number).strip()}")"""),
-    md(f"""`uneven_inputs.py --fix none` runs the same under torchrun with a 3 s process-group
+    md(f"""`uneven_inputs.py --fix none` runs the same under torchrun, DDP on a group with a 3 s
 timeout: both ranks raise `RuntimeError: ... Timed out waiting 3000ms` and the job exits non-zero
 (the chapter's test checks it). Mismatched collectives can also end in an abort instead of a
 hang, depending on which collectives meet; either way the job is lost.

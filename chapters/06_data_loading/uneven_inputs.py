@@ -11,8 +11,11 @@ launches all three):
 Nine samples, batches of two, DDP on a tiny model. ``--fix none`` shards the data by hand with
 ``indices[rank::world_size]``: rank 0 gets 5 samples (3 batches), rank 1 gets 4 (2 batches). Rank 1
 leaves the loop and waits in the ``dist.barrier()`` that usually precedes saving a checkpoint,
-while rank 0 waits in its third backward for rank 1's gradients: the process group's 3-second
-timeout (a demo value; the default is minutes) turns the wait into an error and a non-zero exit.
+while rank 0 waits in its third backward for rank 1's gradients. DDP and that barrier use a
+process group with a 3-second timeout (``--timeout-s``, a demo value; the default is minutes),
+which turns the wait into an error and a non-zero exit. Everything else (joining, creating that
+group, the final summary) runs on the default group with a generous timeout, so that a loaded
+machine, where one rank starts seconds after the other, cannot trip the short one by accident.
 
 ``--fix sampler`` uses ``DistributedSampler``, whose shards have equal lengths (it repeats samples).
 ``--fix join`` keeps the uneven shards and wraps the loop in ``Join([model])``
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -38,14 +42,15 @@ from ddpcourse.toys import make_model, make_regression
 FIXES = ("none", "sampler", "join")
 
 
-def train(rank: int, world_size: int, fix: str, n: int = 9, batch_size: int = 2) -> int:
-    """Train one epoch with DDP; return the number of batches this rank ran."""
+def train(rank: int, world_size: int, fix: str, n: int = 9, batch_size: int = 2,
+          group: dist.ProcessGroup | None = None) -> int:
+    """Train one epoch with DDP on ``group`` (default: the world); return this rank's batch count."""
     data = make_regression(n, seed=0)
     if fix == "sampler":
         loader = DataLoader(data, batch_size=batch_size, sampler=DistributedSampler(data))
     else:
         loader = DataLoader(Subset(data, list(range(n))[rank::world_size]), batch_size=batch_size)
-    model = DDP(make_model(0))
+    model = DDP(make_model(0), process_group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = 0
     with Join([model]) if fix == "join" else contextlib.nullcontext():
@@ -54,16 +59,20 @@ def train(rank: int, world_size: int, fix: str, n: int = 9, batch_size: int = 2)
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
             batches += 1
-    dist.barrier()  # e.g. before rank 0 saves a checkpoint
+    dist.barrier(group=group)  # e.g. before rank 0 saves a checkpoint
     return batches
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fix", choices=FIXES, default="join")
+    parser.add_argument("--timeout-s", type=float, default=3.0,
+                        help="timeout of the group DDP trains on (default: %(default)s)")
     args = parser.parse_args()
-    with process_group(timeout_s=3) as ctx:
-        batches = torch.tensor([train(ctx.rank, ctx.world_size, args.fix)])
+    with process_group(timeout_s=120) as ctx:
+        dist.barrier()  # on the patient world group: both ranks are here before the clock gets short
+        training_group = dist.new_group(timeout=timedelta(seconds=args.timeout_s))
+        batches = torch.tensor([train(ctx.rank, ctx.world_size, args.fix, group=training_group)])
         gathered = [torch.zeros_like(batches) for _ in range(ctx.world_size)]
         dist.all_gather(gathered, batches)
         ctx.print0(f"--fix {args.fix}: batches per rank {[int(b) for b in gathered]}, finished")
