@@ -144,7 +144,7 @@ def errors_case(rank, world_size, shard_indices, errors):
 
 NO_SHUFFLE = [(10, {"shuffle": False}), (11, {"shuffle": False})]
 SHUFFLED = [(10, {}), (11, {}), (10, {"epoch": 1}), (11, {"epoch": 1}),
-            (11, {"seed": 0, "epoch": 1})]
+            (11, {"seed": 1, "epoch": 1})]
 DROP_LAST = [(11, {"drop_last": True}), (11, {"shuffle": False, "drop_last": True}),
              (10, {"epoch": 1, "drop_last": True})]
 BAD_RANKS = [((10, 2, 2), "rank == num_replicas"), ((10, 3, -1), "a negative rank")]
