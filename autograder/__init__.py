@@ -1,6 +1,5 @@
-"""The course's grading set-up: nbgrader config, assignment sources, and the grading command.
+"""The course's grading set-up: nbgrader config, the exercises found in solutions/, grading.
 
-    python -m autograder build                 # write solutions/ from autograder/assignments/
-    python -m autograder release               # generate exercises/ from solutions/
-    python -m autograder grade SUBMISSIONS     # grade a class; see autograder/README.md
+    python -m autograder release                                  # exercises/ from solutions/
+    python -m autograder grade SUBMISSIONS --assignment NN_topic  # see autograder/README.md
 """

@@ -1,4 +1,4 @@
-"""Command line: ``python -m autograder {build,release,grade}`` (run from the repository root)."""
+"""Command line: ``python -m autograder {release,grade}`` (run from the repository root)."""
 
 from __future__ import annotations
 
@@ -6,23 +6,18 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def _assignments() -> list[str]:
-    from autograder.assignments import ALL
-
-    return sorted({module.ASSIGNMENT for module in ALL})
+from autograder.sources import assignments
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autograder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("build", help="write solutions/ notebooks from autograder/assignments/")
     sub.add_parser("release", help="generate exercises/ from solutions/ with nbgrader")
     grade = sub.add_parser("grade", help="autograde a folder of submissions")
     grade.add_argument("submissions", type=Path,
                        help="nbgrader's submitted/ folder: SUBMISSIONS/{student}/{assignment}/")
-    grade.add_argument("--assignment", default="05_allreduce", choices=_assignments(),
-                       help="which exercises/ folder the submissions are for (default 05_allreduce)")
+    grade.add_argument("--assignment", required=True, choices=assignments(),
+                       help="which exercises/ folder the submissions are for, e.g. 05_allreduce")
     grade.add_argument("--out", type=Path, default=Path("autograder/course"),
                        help="where grades.csv, feedback/ and work/ go (default autograder/course)")
     grade.add_argument("--jobs", type=int, default=None,
@@ -33,12 +28,6 @@ def main(argv: list[str] | None = None) -> int:
                        help="hard limit in seconds for one submission, everything included")
     opts = parser.parse_args(argv)
 
-    if opts.command == "build":
-        from autograder.release import build_sources
-
-        for path in build_sources():
-            print(f"wrote {path}")
-        return 0
     if opts.command == "release":
         from autograder.release import release_all
 

@@ -26,7 +26,9 @@ c.CourseDirectory.submitted_directory = "autograder/course/submitted"
 c.CourseDirectory.autograded_directory = "autograder/course/autograded"
 c.CourseDirectory.feedback_directory = "autograder/course/feedback"
 c.CourseDirectory.db_url = f"sqlite:///{REPO / 'autograder/course/gradebook.db'}"
-c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "*.db", "*.db-journal"]
+# The text twins (*.nb.py, see jupytext.toml) are the solutions in plain text: never released.
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "*.db", "*.db-journal",
+                            "*.nb.py"]
 
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"

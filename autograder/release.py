@@ -1,10 +1,10 @@
-"""Build the nbgrader source notebooks and generate the student release from them.
+"""Generate the student release from the nbgrader source notebooks.
 
-    python -m autograder build      # autograder/assignments/*.py -> solutions/NN_topic/*.ipynb
-    python -m autograder release    # solutions/ -> exercises/ (nbgrader generate_assignment)
+    python -m autograder release    # solutions/NN_topic/*.ipynb -> exercises/NN_topic/ (nbgrader)
 
-Both are deterministic, so the committed notebooks can be checked for drift
-(tests/test_exercises.py).
+Deterministic, so the committed release can be checked for drift (tests/test_notebook_sources.py).
+The text twins (``*.nb.py``) hold the solutions and never reach the release (nbgrader_config.py
+ignores them).
 """
 
 from __future__ import annotations
@@ -13,21 +13,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from autograder.assignments import ALL
-from autograder.authoring import write_notebook
-from autograder.nbgrader_api import REPO, api_for, check, load_config
+from autograder.nbgrader_api import api_for, check, load_config
+from autograder.sources import EXERCISES, SOLUTIONS, assignments
 
 
-def build_sources(solutions_dir: Path = REPO / "solutions") -> list[Path]:
-    written = []
-    for module in ALL:
-        path = solutions_dir / module.ASSIGNMENT / f"{module.NOTEBOOK}.ipynb"
-        write_notebook(path, module.cells())
-        written.append(path)
-    return written
-
-
-def generate_release(assignment: str, into: Path, solutions_dir: Path = REPO / "solutions") -> Path:
+def generate_release(assignment: str, into: Path, solutions_dir: Path = SOLUTIONS) -> Path:
     """Run nbgrader generate_assignment for ``assignment``; put the release in ``into/assignment``."""
     with tempfile.TemporaryDirectory(prefix="ddpcourse-release-") as tmp:
         root = Path(tmp)
@@ -42,6 +32,5 @@ def generate_release(assignment: str, into: Path, solutions_dir: Path = REPO / "
     return target
 
 
-def release_all(into: Path = REPO / "exercises") -> list[Path]:
-    assignments = dict.fromkeys(module.ASSIGNMENT for module in ALL)  # one release per folder
-    return [generate_release(assignment, into) for assignment in assignments]
+def release_all(into: Path = EXERCISES) -> list[Path]:
+    return [generate_release(assignment, into) for assignment in assignments()]

@@ -41,9 +41,10 @@ def names_bound_to_protected_modules(code: str) -> set[str]:
 
 
 def _setup_names() -> set[str]:
-    from autograder.assignments import ALL
+    from autograder.sources import exercises, setup_source
 
-    return set().union(*(names_bound_to_protected_modules(m.SETUP) for m in ALL))
+    return set().union(*(names_bound_to_protected_modules(
+        setup_source(nbformat.read(exercise.source, as_version=4))) for exercise in exercises()))
 
 
 # Names the locked setup cells bind to protected modules and functions (dist, ch05, run_ranks...).

@@ -271,19 +271,3 @@ def test_cited_source_lines_are_what_the_lesson_says():
         assert CITED_FIRST_LINES[name] in lines[first - 1], (name, lines[first - 1])
         assert last <= len(lines) and first <= last
         assert ch.source_link(name).endswith(f"{path}#L{first}-L{last}")
-
-
-def test_committed_notebook_is_what_the_builder_builds():
-    import importlib.util
-
-    import nbformat
-
-    # loaded under a name of its own: other chapters have a _build_notebook.py too
-    spec = importlib.util.spec_from_file_location("_ch02_build_notebook",
-                                                  CHAPTER / "_build_notebook.py")
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
-    built = [(c.cell_type, c.source) for c in builder.build().cells]
-    committed = nbformat.read(CHAPTER / "02_dp_ddp_fsdp.ipynb", as_version=4)
-    assert built == [(c.cell_type, c.source) for c in committed.cells], (
-        "run python chapters/02_dp_ddp_fsdp/_build_notebook.py")

@@ -143,7 +143,7 @@ def average_gradients(model):
 
 GUARD_CELLS = [
     "from ddpcourse.grading import setup_notebook\nimport torch.distributed as dist\n"
-    "setup_notebook()",
+    "setup_notebook(\"allreduce_by_hand\")",
     "try:\n    dist.init_process_group('gloo', init_method='tcp://127.0.0.1:1', rank=0, "
     "world_size=2)\nexcept RuntimeError as e:\n    print('REFUSED', type(e).__name__)",
     "import os\ntry:\n    os._exit(3)\nexcept RuntimeError as e:\n    print('REFUSED', type(e).__name__)",

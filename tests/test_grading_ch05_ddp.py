@@ -7,17 +7,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autograder.assignments import ch05_bucketed_ddp as assignment
+from autograder.sources import SOLUTIONS, solution_code
 from autograder.hidden import ch05_ddp as hidden
 from ddpcourse.grading import ch05_ddp, integrity
 from ddpcourse.grading.checks import CheckFailed
 
 
-def solution_source(text: str) -> str:
-    return "\n".join(line for line in text.splitlines() if "### " not in line)
-
-
-SOLUTION = solution_source(assignment.SOLUTION_3) + "\n" + solution_source(assignment.SOLUTION_4)
+SOURCE = SOLUTIONS / "05_allreduce" / "bucketed_ddp.ipynb"
+SOLUTION = (solution_code(SOURCE, "broadcast-parameters") + "\n"
+            + solution_code(SOURCE, "bucketed-ddp"))
 
 
 def build(*replacements: tuple[str, str]):

@@ -22,6 +22,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ddpcourse import launcher
 from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import hidden_checks
 
 MAX_CELL_OUTPUT_BYTES = 200_000
 
@@ -82,18 +83,16 @@ class _CappedStream:
         return getattr(self._stream, name)
 
 
-def setup_notebook(grader_modules: list[str] = (),
-                   max_cell_output_bytes: int = MAX_CELL_OUTPUT_BYTES) -> None:
+def setup_notebook(exercise: str, max_cell_output_bytes: int = MAX_CELL_OUTPUT_BYTES) -> None:
     """Make this kernel safe to grade (see the module docstring). Idempotent.
 
-    ``grader_modules`` (hidden checks) are imported now when they exist - they do only where the
-    notebook is graded - so that the integrity snapshot covers them too.
+    ``exercise`` is the exercise's slug: its grader-only checks are imported now when they exist -
+    they do only where the notebook is graded - so that the integrity snapshot covers them too.
     """
-    for name in grader_modules:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    try:
+        importlib.import_module(hidden_checks(exercise))
+    except ModuleNotFoundError:
+        pass
     try:
         ipython = get_ipython()  # noqa: F821 - defined inside IPython only
     except NameError:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import nbformat
 
+from autograder.sources import solution_code
+
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = ROOT / "exercises/05_allreduce/allreduce_by_hand.ipynb"
 SOLUTIONS = ROOT / "solutions/05_allreduce/allreduce_by_hand.ipynb"
@@ -21,16 +23,8 @@ PART2_RELEASE = ROOT / "exercises/05_allreduce/bucketed_ddp.ipynb"
 PART2_SOLUTIONS = ROOT / "solutions/05_allreduce/bucketed_ddp.ipynb"
 
 
-def _solution_source(grade_id: str, solutions: Path = SOLUTIONS) -> str:
-    nb = nbformat.read(solutions, as_version=4)
-    source = next(c.source for c in nb.cells
-                  if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
-    return "\n".join(line for line in source.splitlines()
-                     if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line)
-
-
-AVERAGE = _solution_source("average-gradients")
-RING = _solution_source("ring-allreduce")
+AVERAGE = solution_code(SOLUTIONS, "average-gradients")
+RING = solution_code(SOLUTIONS, "ring-allreduce")
 AVERAGE_SUMS = '''
 def average_gradients(model):
     for p in model.parameters():
@@ -122,8 +116,8 @@ SUBMISSIONS = {
         "def average_gradients(model):\n    pass")}),
 }
 
-BROADCAST = _solution_source("broadcast-parameters", PART2_SOLUTIONS)
-BUCKETED = _solution_source("bucketed-ddp", PART2_SOLUTIONS)
+BROADCAST = solution_code(PART2_SOLUTIONS, "broadcast-parameters")
+BUCKETED = solution_code(PART2_SOLUTIONS, "bucketed-ddp")
 BUCKETED_AFTER_BACKWARD = BUCKETED.replace(
     "if self._missing[index] == 0:\n            self._launch(index)",
     "pass  # every bucket is all-reduced in finish_gradient_synchronization: no overlap")

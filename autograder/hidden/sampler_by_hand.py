@@ -4,7 +4,7 @@ Every call runs under the hook that forbids DistributedSampler itself."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.ch06 import errors_case, shard_case
+from ddpcourse.grading.exercises.sampler_by_hand import errors_case, shard_case
 from ddpcourse.grading.checks import run_student
 
 ONE_RANK = [(7, {}), (7, {"shuffle": False}), (7, {"drop_last": True, "epoch": 3}), (0, {})]

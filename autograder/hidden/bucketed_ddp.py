@@ -3,7 +3,7 @@ tied parameters, a bucket cap far below one parameter."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.ch05_ddp import broadcast_case, bucketed_training_case
+from ddpcourse.grading.exercises.bucketed_ddp import broadcast_case, bucketed_training_case
 from ddpcourse.grading.checks import run_student
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpcourse.grading.ch05 import average_gradients_case, ring_allreduce_case
+from ddpcourse.grading.exercises.allreduce_by_hand import average_gradients_case, ring_allreduce_case
 from ddpcourse.grading.checks import run_student
 
 

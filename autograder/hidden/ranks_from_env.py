@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpcourse.grading.ch04 import SLURM, TORCHRUN, FrozenEnv, cases_case, run_launched
+from ddpcourse.grading.exercises.ranks_from_env import SLURM, TORCHRUN, FrozenEnv, cases_case, run_launched
 from ddpcourse.grading.checks import run_student
 
 CASES = [

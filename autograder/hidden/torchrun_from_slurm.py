@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ddpcourse.grading.ch03 import (
+from ddpcourse.grading.exercises.torchrun_from_slurm import (
     argv_cases_case,
     error_cases_case,
     launch_nodes,
     slurm_env,
 )
-from ddpcourse.grading.ch04 import FrozenEnv
+from ddpcourse.grading.exercises.ranks_from_env import FrozenEnv
 from ddpcourse.grading.checks import run_student
 
 CASES = [

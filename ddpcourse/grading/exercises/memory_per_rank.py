@@ -193,7 +193,7 @@ def memory_case(rank, world_size, bytes_per_rank, specs, strategies, store_dir):
 
 
 def run_memory(bytes_per_rank, world_size: int, specs, strategies=STRATEGIES, **kwargs):
-    with tempfile.TemporaryDirectory(prefix="ddpcourse-ch02-") as store_dir:
+    with tempfile.TemporaryDirectory(prefix="ddpcourse-memory-per-rank-") as store_dir:
         return run_student(memory_case, world_size, bytes_per_rank, tuple(specs),
                            tuple(strategies), store_dir, init_process_group=False, **kwargs)
 

@@ -262,7 +262,7 @@ def launch_nodes(fn, nnodes: int, nodelist: str, gpus: int | None = None) -> lis
     nproc = gpus or 1
     envs = [dict(slurm_env(nnodes, i, nodelist, gpus), SLURM_PROCID=str(i), SLURM_NTASKS=str(nnodes),
                  SLURM_JOB_ID="4242") for i in range(nnodes)]
-    with tempfile.TemporaryDirectory(prefix="ddpcourse-ch03-") as work:
+    with tempfile.TemporaryDirectory(prefix="ddpcourse-torchrun-from-slurm-") as work:
         script = str(Path(work) / "grader_worker.py")
         Path(script).write_text(WORKER)
         argvs = run_student(argvs_case, 1, fn, envs, script, port, init_process_group=False)[0]

@@ -3,7 +3,7 @@ step count, and a model with a frozen layer and a buffer."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.ch01 import ddp_case, not_divisible_case
+from ddpcourse.grading.exercises.ddp_same_as_one_process import ddp_case, not_divisible_case
 from ddpcourse.grading.checks import run_student
 
 CASES = [  # world_size, model, rows, steps, lr, seed

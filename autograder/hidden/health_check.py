@@ -3,7 +3,7 @@ self-test against more ways for an all-reduce to go wrong."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.ch00 import (CORRUPTIONS, bandwidth_cases_case, self_test_case,
+from ddpcourse.grading.exercises.health_check import (CORRUPTIONS, bandwidth_cases_case, self_test_case,
                                     single_rank_case)
 from ddpcourse.grading.checks import run_student
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpcourse.grading.ch02 import DOUBLE, UNEVEN, errors_case, run_memory
+from ddpcourse.grading.exercises.memory_per_rank import DOUBLE, UNEVEN, errors_case, run_memory
 from ddpcourse.grading.checks import run_student
 
 ERRORS = [(3, 3, "ddp"), (4, -1, "ddp"), (3, 0, "dp"), (1, 1, "fsdp"), (4, 0, "zero")]

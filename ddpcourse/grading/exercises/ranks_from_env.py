@@ -122,7 +122,7 @@ def launched_case(rank, world_size, ranks_from_env, scheduler, store_dir):
 def run_launched(ranks_from_env, world_size: int, scheduler: str, **kwargs) -> None:
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="ddpcourse-ch04-") as store_dir:
+    with tempfile.TemporaryDirectory(prefix="ddpcourse-ranks-from-env-") as store_dir:
         run_student(launched_case, world_size, ranks_from_env, scheduler, store_dir,
                     init_process_group=False, **kwargs)
 

@@ -1,0 +1,512 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · AllReduce by hand: from send/recv to a ring, and from a ring to DDP
+#
+# **The problem.** After `backward()`, every rank holds gradients computed on its own slice of the
+# batch; DDP must replace each of them by the mean over all ranks, every step, for every parameter.
+# How much data does that move, through whom, in how many steps, and how does DDP hide the cost?
+#
+# **The idea.** An all-reduce can be built from point-to-point messages alone. Sending everything
+# to rank 0 works but makes rank 0's link carry `2(N-1)` copies of the tensor. A **ring** cuts the
+# tensor into N chunks and does a *reduce-scatter* then an *all-gather*: every rank sends only
+# `2(N-1)/N` of the tensor, the least any algorithm can (the bound nccl-tests' bus bandwidth is
+# built on). **Halving-doubling** needs `2·log2 N` steps instead of `2(N-1)`, which matters when
+# messages are small and each step costs a fixed latency. DDP then adds two ideas on top: launch
+# the all-reduces *during* backward (overlap), and pack small gradients into *buckets*.
+#
+# Everything below runs in real process groups (`run_ranks`, or `torchrun` for the benchmark; gloo
+# on CPU). The algorithms live in `hand_collectives.py` (**it contains the answer to exercise 05's
+# `ring_allreduce`: solve the exercise first**, see the end of this notebook).
+#
+# **Article claims checked here.** The article (section 3.3) describes AllReduce as "sum the four
+# gradients, average, then broadcast the average to every card", and says NCCL's AllReduce is
+# "atomic" with a latency under 5 µs thanks to GPUDirect RDMA. Sum-then-broadcast is the *naive*
+# scheme of section 2, whose first rank carries N-1 times the traffic; NCCL uses rings and trees
+# instead (sections 3 and 5). "Atomic" has no meaning for a collective: it is many point-to-point
+# messages in steps, each rank waiting on its peers (section 1 shows two ranks waiting forever). The 5 µs is the article's own GPU figure; it cannot be checked on this
+# CPU machine, where the latency of a small gloo all-reduce is measured in section 6.
+
+# %%
+import inspect, json, os, sys, tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+
+from ddpcourse.launcher import RankTimeoutError, prestart, run_ranks
+from ddpcourse.processes import run_bounded  # a deadline, and no process left behind
+
+ROOT = Path.cwd().resolve().parents[1]   # the notebook runs in chapters/05_allreduce
+sys.path.insert(0, str(Path.cwd()))     # the ranks import the chapter's modules too
+prestart()
+import broadcast_parameters
+import hand_collectives as hc
+import ring_vs_gloo
+import three_ddp_designs
+
+def show(fn):
+    print(inspect.getsource(fn))
+
+
+# %% [markdown]
+# ## 1. Point-to-point: send, recv, isend, irecv
+#
+# `dist.send(tensor, dst)` and `dist.recv(tensor, src)` block until the transfer is done;
+# `dist.isend` / `dist.irecv` return at once with a work handle whose `.wait()` blocks
+# ([docs, point-to-point communication](https://docs.pytorch.org/docs/stable/distributed.html#point-to-point-communication)).
+# `recv` writes into a tensor you allocated, so both sides must agree on its size and dtype. Each
+# rank passes its rank to its right neighbour; the send is posted *asynchronously* before the
+# blocking receive:
+
+# %%
+def pass_right(rank, world_size):
+    token, incoming = torch.tensor([float(rank)]), torch.empty(1)
+    request = dist.isend(token, (rank + 1) % world_size)
+    dist.recv(incoming, (rank - 1) % world_size)
+    request.wait()
+    return f"rank {rank} got {incoming.item():g} from rank {(rank - 1) % world_size}"
+
+run_ranks(pass_right, 4)
+
+
+# %% [markdown]
+# Why asynchronous? Two ranks that both call the blocking `send` first, then `recv`, never
+# finish on gloo, even with a 4 KB tensor: here a blocking gloo `send` does not return before the
+# peer receives, and both peers are still sending. `run_ranks` kills them at its deadline (3 s):
+
+# %%
+def both_send_first(rank, world_size):
+    dist.send(torch.ones(1000), 1 - rank)      # blocks: the peer is not receiving yet
+    dist.recv(torch.empty(1000), 1 - rank)
+
+try:
+    run_ranks(both_send_first, 2, timeout=3, relay_output=False)
+except RankTimeoutError as error:
+    print(str(error).splitlines()[0])
+
+# %% [markdown]
+# ## 2. The naive all-reduce: everything through rank 0
+#
+# The article's picture: every rank sends its tensor to rank 0, rank 0 adds them up and sends the
+# sum back to everyone.
+
+# %%
+show(hc.naive_allreduce)
+
+# %% [markdown]
+# How many bytes does each rank *send*? `hc.count_traffic()` wraps `dist.isend`/`dist.send`
+# inside the block and counts. A 1 MiB tensor, 2 to 6 ranks, the three algorithms of this chapter:
+
+# %%
+MiB = 2**20
+
+def bytes_sent(rank, world_size, numel=MiB // 4):
+    sent = {}
+    for name, algorithm in hc.ALGORITHMS.items():
+        tensor = torch.ones(numel)
+        with hc.count_traffic() as counted:
+            algorithm(tensor)
+        assert torch.equal(tensor, torch.full_like(tensor, world_size))  # and it is the sum
+        sent[name] = dict(counted)
+    return sent
+
+traffic = {n: run_ranks(bytes_sent, n) for n in range(2, 7)}
+print(f"{'N':>2} {'algorithm':<17}{'rank 0 sends':>13}{'others send':>17}{'messages':>10}"
+      f"{'2(N-1)/N':>10}")
+for n, per_rank in traffic.items():
+    for name in hc.ALGORITHMS:
+        others = [r[name]["bytes"] / MiB for r in per_rank[1:]]
+        spread = f"{min(others):.3f}" + (f"-{max(others):.3f}" if max(others) - min(others) > 1e-3 else "")
+        print(f"{n:>2} {name:<17}{per_rank[0][name]['bytes'] / MiB:>9.3f} MiB{spread:>13} MiB"
+              f"{per_rank[0][name]['messages']:>10}{2 * (n - 1) / n:>10.3f}")
+
+# %%
+ns = list(traffic)
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for name, style in (("naive", "o-"), ("ring", "s-"), ("halving_doubling", "^--")):
+    busiest = [max(r[name]["bytes"] for r in traffic[n]) / MiB for n in ns]
+    ax.plot(ns, busiest, style, label=name)
+ax.plot(ns, [2 * (n - 1) / n for n in ns], "k:", label="2(N-1)/N (the bound)")
+ax.set_xlabel("ranks N"); ax.set_ylabel("MiB sent by the busiest rank")
+ax.set_title("All-reduce of a 1 MiB tensor: what the busiest rank sends (measured)")
+ax.legend(); plt.tight_layout(); plt.show()
+
+# %% [markdown]
+# Rank 0 of the naive scheme sends `(N-1)` copies (and receives as many): its link carries
+# work that grows linearly with N, while the other links sit idle most of the time. The ring keeps
+# every rank at `2(N-1)/N` of the tensor, under 2 copies whatever N is. Halving-doubling hits the
+# same bound when N is a power of two; at N = 3, 5, 6 the ranks beyond the power of two first
+# hand their whole tensor to a partner (the fold-in), so some ranks send more.
+#
+# ## 3. Ring all-reduce = reduce-scatter + all-gather
+#
+# Cut the tensor into N chunks. In **reduce-scatter** step s, rank r sends chunk `r - s` to its
+# right neighbour and adds the chunk `r - s - 1` arriving from its left one; after N-1 steps, rank
+# r holds the complete sum of chunk `r + 1`. In **all-gather**, the complete chunks travel once
+# more around the ring, copied instead of added. Each step moves one chunk (`1/N` of the tensor)
+# per rank, `2(N-1)` steps in all, hence `2(N-1)/N`:
+
+# %%
+show(hc.ring_allreduce)
+
+
+# %% [markdown]
+# To *see* the steps, rank r starts with `2**r` in every element: any sum then spells which
+# ranks contributed (7 = 1+2+4: ranks 0, 1, 2). `on_step` records every rank's tensor after each
+# step; a cell is outlined when it changed in that step:
+
+# %%
+def record_steps(rank, world_size, algorithm):
+    tensor = torch.full((world_size,), float(2**rank))       # one element per chunk
+    snapshots = [("start", -1, tensor.tolist())]
+    getattr(hc, algorithm)(tensor, on_step=lambda phase, step, t: snapshots.append((phase, step, t.tolist())))
+    return snapshots
+
+def contributors(value):
+    return [r for r in range(8) if int(value) >> r & 1]
+
+def draw_steps(per_rank, title, columns=4):
+    n, steps = len(per_rank), len(per_rank[0])
+    rows = -(-steps // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.7 * columns, 2.6 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for k in range(steps):
+        ax = axes.flat[k]
+        phase, step, _ = per_rank[0][k]
+        ax.set_title(phase if step < 0 else f"{phase} {step + 1}", fontsize=9)
+        ax.set_xlim(0, n); ax.set_ylim(n, 0)
+        for rank in range(n):
+            ax.text(-0.1, rank + 0.5, f"rank {rank}", ha="right", va="center", fontsize=8)
+            for chunk, value in enumerate(per_rank[rank][k][2]):
+                who = contributors(value)
+                changed = k > 0 and value != per_rank[rank][k - 1][2][chunk]
+                ax.add_patch(plt.Rectangle((chunk, rank), 1, 1, facecolor=plt.cm.Blues(len(who) / n * 0.8),
+                                           edgecolor="red" if changed else "white", lw=2 if changed else 1))
+                ax.text(chunk + 0.5, rank + 0.5, "+".join(map(str, who)), ha="center", va="center",
+                        fontsize=7, color="white" if len(who) == n else "black")
+        for chunk in range(n):
+            ax.text(chunk + 0.5, n + 0.3, f"chunk {chunk}", ha="center", va="center", fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    plt.tight_layout(); plt.show()
+
+ring_steps = run_ranks(record_steps, 4, "ring_allreduce")
+draw_steps(ring_steps, "Ring all-reduce on 4 ranks, measured: which ranks' data each chunk holds "
+           "(red: changed in this step)")
+
+# %% [markdown]
+# Reading the picture: after reduce-scatter 3, rank r holds the full sum `0+1+2+3` of one
+# chunk only, chunk `r+1` (a diagonal): that is exactly what `dist.reduce_scatter` would leave.
+# The all-gather row then copies those finished chunks around until every rank has all four.
+#
+# **Why `2(N-1)/N` is the floor** (the argument of [nccl-tests' PERFORMANCE.md](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)):
+# every output element is a sum of N inputs that live on N different ranks, so it takes N-1
+# additions and N assignments, `2(N-1)` transfers of that element, wherever they happen. Spread
+# over N ranks each with its own link of bandwidth B, an all-reduce of S bytes takes at least
+# `t = 2(N-1)/N · S / B`. The ring reaches it (the measured 1 MiB table above equals the formula
+# exactly); the naive scheme's rank 0 carries `N-1` times S instead.
+#
+# ## 4. Two bandwidths: algbw and busbw
+#
+# nccl-tests ([PERFORMANCE.md](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)) reports two numbers per message size S and time t:
+#
+# * **algbw = S / t**, the user's view: how long it takes to all-reduce S bytes.
+# * **busbw = algbw · 2(N-1)/N** for all-reduce, the hardware's view: what each rank's link
+#   actually carried per second, by the bound above. It does not depend on N, so it compares
+#   directly with a link's peak bandwidth and across world sizes (a perfect ring on N = 2 and on
+#   N = 8 show the same busbw; their algbw differ). For reduce-scatter and all-gather the factor is
+#   `(N-1)/N`, for broadcast and reduce 1.
+#
+# GB/s below means 10^9 bytes per second, as in nccl-tests.
+#
+# ## 5. Fewer steps: recursive halving, then recursive doubling
+#
+# A ring needs `2(N-1)` steps: with N = 64 ranks, 126 rounds of messages, each paying the
+# network's fixed latency. **Halving-doubling** (Rabenseifner's algorithm) pairs rank r with
+# `r XOR 2^k`: in each halving step a pair splits its current range, each keeps one half and adds
+# the partner's copy of it, so after `log2 N` steps rank r holds the sum of chunk r; doubling runs
+# the same pairs backwards, swapping finished halves. `2·log2 N` steps, and still `2(N-1)/N` bytes
+# per rank when N is a power of two (other N: the extra ranks fold in first, see above).
+
+# %%
+show(hc.halving_doubling_allreduce)
+
+# %%
+hd_steps = run_ranks(record_steps, 4, "halving_doubling_allreduce")
+draw_steps(hd_steps, "Halving-doubling on 4 ranks, measured (partners: rank XOR 2, then XOR 1, "
+           "then back)", columns=5)
+print(f"{'N':>5}{'ring steps 2(N-1)':>19}{'halving-doubling 2 log2 N':>27}")
+for n in (2, 4, 8, 16, 64, 256):
+    print(f"{n:>5}{2 * (n - 1):>19}{2 * (n.bit_length() - 1):>27}")
+
+# %% [markdown]
+# A simple cost model makes the trade-off explicit: a step that moves m bytes costs about
+# `α + m/B` (α: latency per message). Ring: `2(N-1)·α + 2(N-1)/N · S/B`; halving-doubling:
+# `2 log2 N · α + 2(N-1)/N · S/B`. Same bandwidth term, fewer latency terms: halving-doubling
+# wins on small messages and large N, and the two tie on large messages. (Real libraries pick
+# per call: NCCL's tuning model switches between ring and tree by size, node count and bandwidth,
+# as its maintainer explains in [NVIDIA/nccl#754](https://github.com/NVIDIA/nccl/issues/754);
+# `NCCL_ALGO` forces one.) At N = 2 both algorithms do the very same two exchanges.
+#
+# Before timing anything: all three hand algorithms against `dist.all_reduce`, on 1 to 4 ranks,
+# lengths that do not divide by N, fewer elements than ranks, integer, float64 and 2-D tensors:
+
+# %%
+show(hc.check_against_all_reduce)
+for n in (1, 2, 3, 4):
+    wrong = run_ranks(hc.check_against_all_reduce, n)
+    print(f"{n} ranks:", "every algorithm equals dist.all_reduce" if not any(wrong) else wrong)
+
+# %% [markdown]
+# ## 6. Measured: the hand ring against gloo's own all-reduce
+#
+# `ring_vs_gloo.py` times the hand ring, hand halving-doubling and `dist.all_reduce` (gloo here;
+# NCCL on GPUs) for each message size: correctness first (against `dist.all_reduce` on random
+# data), then two warm-up calls, then `--repeats` timings of `k` back-to-back calls each after a
+# barrier, the three algorithms taking turns inside each repeat (so a burst of load from other
+# programs hits all three alike), each timing taken on the slowest rank, the **median** kept.
+#
+# This notebook runs a short version (4 sizes, 5 repeats, 2 and 4 ranks). The full sweep, 4 KiB to
+# 64 MiB with 10 repeats (about a minute per world size on 2 cores):
+#
+# ```bash
+# torchrun --standalone --nproc_per_node 2 chapters/05_allreduce/ring_vs_gloo.py --full --out ws2.json
+# torchrun --standalone --nproc_per_node 4 chapters/05_allreduce/ring_vs_gloo.py --full --out ws4.json
+# ```
+
+# %%
+sweeps = {}
+out_dir = Path(tempfile.mkdtemp())
+print("load average before:", os.getloadavg())
+for n in (2, 4):
+    out = out_dir / f"ws{n}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+           "chapters/05_allreduce/ring_vs_gloo.py", "--sizes", "4K", "256K", "4M", "16M",
+           "--repeats", "5", "--out", str(out)]
+    done = run_bounded(cmd, 120, cwd=ROOT)
+    print(done.stdout if done.returncode == 0 else done.stdout + done.stderr[-3000:])
+    sweeps[n] = json.loads(out.read_text())
+
+# %%
+fig, (ax_time, ax_bus) = plt.subplots(1, 2, figsize=(11, 4))
+colors = {"ring": "tab:blue", "halving_doubling": "tab:green", "gloo": "tab:red"}
+for n, report in sweeps.items():
+    for name, color in colors.items():
+        rows = [r for r in report["rows"] if r["algorithm"] == name]
+        sizes = [r["bytes"] for r in rows]
+        style = "o-" if n == 2 else "s--"
+        ax_time.loglog(sizes, [r["time_s"] * 1e6 for r in rows], style, color=color, label=f"{name}, N={n}")
+        ax_bus.semilogx(sizes, [r["busbw_GBps"] for r in rows], style, color=color, label=f"{name}, N={n}")
+ax_time.set_xlabel("message bytes"); ax_time.set_ylabel("time per all-reduce (µs)")
+ax_time.set_title("time (median, slowest rank)")
+ax_bus.set_xlabel("message bytes"); ax_bus.set_ylabel("busbw (GB/s)")
+ax_bus.set_title("bus bandwidth = S/t · 2(N-1)/N")
+ax_bus.legend(fontsize=7)
+fig.suptitle(f"Hand ring / halving-doubling vs dist.all_reduce, {sweeps[2]['backend']}, "
+             f"{sweeps[2]['cpu_count']} cores, load average {sweeps[2]['load_average'][0]:.1f} "
+             f"(measured in this run)", fontsize=10)
+plt.tight_layout(); plt.show()
+for n, report in sweeps.items():
+    ratio = report["ring_over_gloo_busbw"].get(str(16 * MiB))
+    print(f"N={n}: ring / gloo bus bandwidth at 16 MiB = {ratio:.2f}")
+
+# %% [markdown]
+# **Reading the plot** (this run's numbers are above; the machine is shared, so expect
+# noise). Two regimes, as the cost model predicts:
+#
+# * **Small messages are latency.** Below ~64 KiB the time hardly depends on the size, and the
+#   bus bandwidth is a tiny fraction of the plateau. With 4 ranks on 2 cores every step also waits
+#   for its process to be scheduled, so the step count shows: halving-doubling (4 steps) beats the
+#   ring (6 steps) there. This is why DDP packs small gradients into buckets.
+# * **Large messages are bandwidth**, and there the Python ring keeps up with gloo's C++
+#   all-reduce: both move the same `2(N-1)/N` bytes through gloo's loopback TCP transport and do
+#   the same additions; a few Python calls per step cost little next to moving megabytes. The
+#   plateau (about 1 GB/s busbw here) is what 2 shared CPU cores can copy, add and push through
+#   loopback TCP: it says nothing about a GPU interconnect (measure that with nccl-tests).
+#
+# **The full sweep, measured while writing this chapter** (`--full`: 10 repeats, median, slowest
+# rank; busbw in GB/s; 1-minute load average 2.2-2.5 during the runs, the benchmark's own 2-4
+# processes included, on a 2-core machine shared with other jobs):
+#
+# | size | N=2 ring | N=2 halv.-doubl. | N=2 gloo | N=2 ring/gloo | N=4 ring | N=4 halv.-doubl. | N=4 gloo | N=4 ring/gloo |
+# |---:|---:|---:|---:|---:|---:|---:|---:|---:|
+# | 4 KiB | 0.008 | 0.003 | 0.003 | 2.97 | 0.001 | 0.002 | 0.001 | 0.72 |
+# | 16 KiB | 0.048 | 0.048 | 0.043 | 1.12 | 0.003 | 0.012 | 0.006 | 0.51 |
+# | 64 KiB | 0.154 | 0.141 | 0.154 | 1.00 | 0.015 | 0.037 | 0.021 | 0.73 |
+# | 256 KiB | 0.429 | 0.446 | 0.472 | 0.91 | 0.060 | 0.097 | 0.074 | 0.81 |
+# | 1 MiB | 1.037 | 1.087 | 1.175 | 0.88 | 0.244 | 0.269 | 0.203 | 1.20 |
+# | 4 MiB | 1.078 | 0.988 | 1.284 | 0.84 | 0.639 | 0.646 | 0.527 | 1.21 |
+# | 16 MiB | 1.176 | 1.086 | 1.223 | 0.96 | 0.794 | 0.904 | 0.914 | 0.87 |
+# | 64 MiB | 1.134 | 1.182 | 1.273 | 0.89 | 0.906 | 0.718 | 0.845 | 1.07 |
+#
+# The 16 MiB point, run three more times on its own (`--sizes 16M --repeats 15`): ring/gloo
+# busbw 0.73, 1.36, 1.12 with 2 ranks and 1.01, 1.00, 1.03 with 4. Over the four measurements the
+# median ratio is 1.04 (N=2) and 1.01 (N=4): the hand ring reaches gloo's bus bandwidth at 16 MiB,
+# but a single run on a shared machine can be 30% off either way. At 4 KiB the ratios mean little
+# (a millisecond of scheduling noise is the whole measurement).
+
+# %% [markdown]
+# ## 7. From averaged gradients to DDP: three designs
+#
+# The DDP paper, Li et al., [*PyTorch Distributed: Experiences on Accelerating Data Parallel
+# Training*, VLDB 2020](https://arxiv.org/abs/2006.15704), section 3, builds DDP in steps. Three of them, each run in
+# `three_ddp_designs.py` on the same MLP (6 hidden layers of 256, 14 parameter tensors, 1.5 MiB
+# of gradients), the same global batches and SGD:
+#
+# 1. **naive**: `loss.backward()`, then one blocking all-reduce per parameter (`average_gradients`,
+#    exercise 05's first task). Communication starts only when backward is over.
+# 2. **hooks**: `Tensor.register_post_accumulate_grad_hook`
+#    ([docs](https://docs.pytorch.org/docs/stable/generated/torch.Tensor.register_post_accumulate_grad_hook.html))
+#    calls a hook once a leaf's `.grad` is final for this backward; the hook launches an
+#    *asynchronous* all-reduce of that gradient, so the last layer's gradients travel while
+#    autograd still computes the first layers'. Before `optimizer.step()`, wait for all of them.
+# 3. **DDP**: `DistributedDataParallel(model, bucket_cap_mb=0.3)`: the same overlap, but gradients
+#    are copied into flat **buckets** and each bucket is all-reduced once it is full, so 14 small
+#    messages become a few large ones (section 6 showed how poor small messages are). A comm hook
+#    ([`register_comm_hook`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2178)) wraps the all-reduce to
+#    count the buckets. Writing this bucketed, overlapping DDP yourself is exercise 05's `BucketedDDP`
+#    (in `bucketed_ddp.ipynb`), so it is not written out here.
+
+# %%
+show(three_ddp_designs.HookAllReduce)
+designs = run_ranks(three_ddp_designs.run_designs, 2, steps=12)
+print(three_ddp_designs.format_report(designs[0], 2))
+print("same weights at the end (designs and ranks, within 1e-6):", three_ddp_designs.same_weights(designs[0]))
+print("elements per DDP all-reduce, step 1 and step 2:", designs[0]["ddp"]["elements_per_call"][:2])
+
+# %%
+names = list(designs[0])
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.barh(names, [designs[0][d]["median_step_s"] * 1e3 for d in names],
+        color=["lightgray", "tab:red", "tab:orange", "tab:blue"])
+for i, d in enumerate(names):
+    ax.text(designs[0][d]["median_step_s"] * 1e3, i, f"  {max(designs[0][d]['calls_per_step'][1:])} all-reduces",
+            va="center", fontsize=8)
+ax.invert_yaxis(); ax.set_xlabel("median step time (ms), slowest of 2 ranks")
+ax.set_title("Same model, same data, 2 ranks on CPU/gloo (measured)", fontsize=10)
+plt.tight_layout(); plt.show()
+
+# %% [markdown]
+# What the counts say (they do not depend on the machine): naive and hooks make one
+# all-reduce per parameter tensor with a gradient (14 here); DDP makes **one** in its first step,
+# because it puts every parameter in one bucket until it has seen the order in which gradients
+# arrive ([distributed.py L150-L154](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L150-L154)), and from
+# step 2 on a few buckets, each closed once it *reaches* the cap: a bucket can exceed
+# `bucket_cap_mb` by up to one tensor (two 256×256 weights per 0.3 MiB bucket above). All three end
+# with the same weights: to the last bit on 2 ranks; on 4 ranks DDP differed from the others by
+# 1e-8 while writing this chapter (the buckets change the order of the float additions).
+#
+# What the times say, honestly. Four runs of `three_ddp_designs.py --steps 20` while writing this
+# chapter (2 ranks, load average 2.3-2.6): compute alone 5 ms per step; naive 24-32 ms; hooks
+# 25-31 ms; DDP 10-19 ms. With 4 ranks: compute 15 ms, naive 109, hooks 75, DDP 28. So on this
+# machine **buckets pay, overlap barely does**:
+#
+# * Fewer, larger messages win because every all-reduce has a fixed cost of a few hundred
+#   microseconds here (section 6), paid 14 times per step by naive and hooks, 3 times by DDP.
+# * Overlap cannot gain much on CPU: gloo's all-reduce is carried out by CPU threads (the TCP
+#   transfers and the additions), and they compete for the *same two cores* as the backward pass
+#   they are supposed to hide behind, so "at the same time" mostly means "interleaved". The
+#   backward here is also short (a few ms) next to the communication, so there is little to hide
+#   behind. The 4-rank gain of hooks over naive is real but small next to what buckets give.
+# * On GPUs the picture changes: NCCL runs its kernels on a separate CUDA stream while the
+#   backward kernels keep the compute units busy, so a bucket's all-reduce really runs while the
+#   backward of earlier layers is computed; the paper reports overlap and bucketing as what makes
+#   DDP scale (its measurements, not repeated here).
+
+# %% [markdown]
+# ## 8. Why DDP broadcasts rank 0's parameters when it is built
+#
+# Averaging gradients gives every rank the **same update**. That keeps identical replicas
+# identical, but it does nothing for replicas that start apart: with SGD, `w_r - w_0` stays exactly
+# what it was at initialisation, forever. `broadcast_parameters.py` builds each rank's model with
+# seed = rank and trains it three ways: averaged gradients only; the same after `dist.broadcast`
+# of every parameter and buffer from rank 0; and DDP:
+
+# %%
+show(broadcast_parameters.broadcast_from_rank0)
+modes = run_ranks(broadcast_parameters.run_modes, 2)
+print(f"{'mode':<17}{'max |w_r - w_0| before':>24}{'after 30 steps':>16}   held-out loss, rank 0 / rank 1")
+for i, mode in enumerate(broadcast_parameters.MODES):
+    r0, r1 = modes[0][i], modes[1][i]
+    print(f"{mode:<17}{r0['spread_before']:>24.6f}{r0['spread_after']:>16.6f}   "
+          f"{r0['held_out_loss']:.5f} / {r1['held_out_loss']:.5f}")
+
+# %% [markdown]
+# Two replicas that never meet: the difference after 30 steps is the difference at the
+# start, and the two ranks' models give different losses on the same data (a checkpoint saved by
+# rank 0 is not the model rank 1 trained). DDP's constructor prevents this. In torch 2.13 it first
+# calls `_verify_param_shape_across_processes` (every rank must have the same parameter shapes, or
+# it raises) and then `_sync_module_states(..., src=0)`, which collects every parameter and buffer
+# and broadcasts them from rank 0 with `dist._broadcast_coalesced`
+# ([distributed.py L1062-L1073](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1062-L1073),
+# [utils.py L289-L328](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L328)). The installed source:
+
+# %%
+from torch.nn.parallel import DistributedDataParallel
+from torch.distributed import utils as dist_utils
+
+def grep_source(fn, *needles):
+    lines, first = inspect.getsourcelines(fn)
+    path = Path(inspect.getsourcefile(fn)).relative_to(Path(torch.__file__).parent.parent)
+    print(f"--- {path}")
+    for i, line in enumerate(lines):
+        if any(n in line for n in needles):
+            print(f"{first + i:5d} {line.rstrip()}")
+
+grep_source(DistributedDataParallel.__init__, "_verify_param_shape_across_processes(", "_sync_module_states(", "src=0")
+grep_source(dist_utils._sync_params_and_buffers, "_broadcast_coalesced")
+
+# %% [markdown]
+# (`init_sync=False` in the constructor skips both; chapter 02 measured that DDP's
+# construction makes differently-seeded models equal.)
+#
+# ## Pitfalls
+#
+# * **Blocking send before receive on every rank**: on gloo it hangs even for 4 KB (section 1).
+#   Post `isend` first, then the blocking `recv`, then `wait()` the send.
+# * **Chunks that do not divide evenly**: `tensor.view(-1).tensor_split(N)` gives N views, some
+#   one element longer (or empty when there are fewer elements than ranks); size every receive
+#   buffer from the chunk it receives, not from `numel // N`.
+# * **A hand all-reduce on a non-contiguous tensor**: `.view(-1)` fails, and a `.reshape(-1)` copy
+#   would not write back; reduce a contiguous buffer (DDP's buckets are).
+# * **Reading busbw as link speed at small sizes**: below ~1 MB the time is latency, not bandwidth
+#   (section 6); bucket small gradients.
+# * **Timing on a shared machine**: warm up, barrier, take the slowest rank and the median of
+#   repeats, interleave the contenders, and write down the load (`uptime`).
+# * **Replicas that start apart**: gradient averaging never fixes them; broadcast from rank 0 (DDP
+#   does it in its constructor) or seed every rank identically *and* check.
+# * **Async all-reduces in hooks**: wait for every handle before `optimizer.step()`, and only then
+#   divide the sums by N; the optimizer must never see a gradient still in flight.
+#
+# ## Summary
+#
+# * Point-to-point messages are enough to build an all-reduce. The naive "through rank 0" scheme
+#   loads rank 0 with `N-1` copies in each direction.
+# * Ring = reduce-scatter + all-gather: `2(N-1)` steps of `1/N` of the tensor, `2(N-1)/N` bytes
+#   per rank, which is the lower bound; nccl-tests' busbw = algbw · 2(N-1)/N is built on it.
+# * Halving-doubling: the same bytes (N a power of two) in `2 log2 N` steps, for latency-bound
+#   small messages.
+# * Measured on CPU/gloo: a Python ring matches gloo's C++ all-reduce on large messages (it is the
+#   same amount of data over the same sockets); small messages are latency-bound for everyone.
+# * DDP = averaged gradients + overlap with backward (hooks) + buckets, plus a broadcast of rank
+#   0's state at construction, without which replicas that start apart stay apart.
+#
+# **Exercises** (`exercises/05_allreduce/`): in `allreduce_by_hand.ipynb` write
+# `average_gradients` and a bandwidth-optimal `ring_allreduce` from send/recv; in
+# `bucketed_ddp.ipynb` write `broadcast_parameters` and `BucketedDDP`, your own bucketed DDP whose
+# all-reduces overlap backward. Check yourself with `pytest exercises/05_allreduce` from the
+# repository root.

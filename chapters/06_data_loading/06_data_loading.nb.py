@@ -1,0 +1,358 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · Data loading: one shard per rank, and what the sampler does at the edges
+#
+# **The problem.** DDP runs the same training loop in N processes. If each process iterates over
+# the whole dataset, the N ranks compute gradients on the *same* samples, average N copies of one
+# gradient, and an epoch costs N times the work for nothing. Each rank must read a different
+# **shard**, all shards together must cover the dataset, and every rank must run the same number
+# of steps, because every step ends in collectives that need everybody.
+#
+# **The idea.** `torch.utils.data.distributed.DistributedSampler` gives rank r a strided slice of
+# one shared (optionally shuffled) order, and makes all slices equally long
+# ([docs](https://docs.pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler), [source](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/distributed.py)). This chapter looks at
+# what it returns, how it makes lengths equal (by *repeating* samples), what that does to an
+# evaluation metric, why `set_epoch` matters, and what happens when ranks do not get the same
+# number of batches.
+#
+# Scripts: `sampler_shards.py` (shards, padding, `set_epoch`), `eval_without_duplicates.py`
+# (biased vs correct distributed evaluation), `uneven_inputs.py` (a hang turned into an error, and
+# two fixes). Everything runs on CPU/gloo in real process groups (`run_ranks`).
+#
+# **Article claims checked here** (section 4.2 of the source article). The article says that
+# `DistributedSampler` guarantees the cards' data "does not overlap" in an epoch and that when the
+# sample count is not divisible by the world size it is "automatically padded with zeros" (自动补零).
+# **Both are wrong**: the sampler pads by *repeating real samples* from the start of its order, so
+# those samples do appear on two ranks (sections 2-3). Its advice that `set_epoch` must be called
+# every epoch, or every epoch sees the same order, is right (section 4).
+
+# %%
+import linecache, os, sys
+from collections import Counter
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, get_worker_info
+
+from ddpcourse.launcher import RankTimeoutError, prestart, run_ranks
+from ddpcourse.toys import make_regression
+
+sys.path.insert(0, str(Path.cwd()))     # the notebook runs in chapters/06_data_loading
+prestart()
+import eval_without_duplicates as ev
+import sampler_shards as ss
+import uneven_inputs as ui
+
+# %% [markdown]
+# ## 1. What each rank gets
+#
+# `DistributedSampler(dataset, num_replicas=W, rank=r)` is an ordinary sampler: iterating it
+# yields dataset indices. Inside a process group you leave out `num_replicas` and `rank` and it
+# reads them from the group; outside one (as here, for a table) you pass them. `ss.Indices(n)` is
+# a dataset whose sample `i` is the number `i`, so indices and samples are the same thing.
+# 10 samples on 3 ranks:
+
+# %%
+for shuffle in (False, True):
+    per_rank = ss.shards(10, 3, shuffle=shuffle)
+    print(f"shuffle={shuffle!s:<5}", "  ".join(f"rank {r}: {s}" for r, s in enumerate(per_rank)),
+          f"  lengths {[len(s) for s in per_rank]}")
+
+
+# %% [markdown]
+# The same thing from inside a real 3-rank group, where each rank builds its sampler
+# without telling it who it is:
+
+# %%
+def my_shard(rank, world_size, n, shuffle):
+    return list(DistributedSampler(ss.Indices(n), shuffle=shuffle))
+
+live = run_ranks(my_shard, 3, 10, True)
+print(live, "== table above:", live == ss.shards(10, 3, shuffle=True))
+
+
+# %%
+def draw(per_rank, ax, title):
+    seen = Counter()
+    for r, shard in enumerate(per_rank):
+        for j, i in enumerate(shard):
+            seen[i] += 1
+            repeat = seen[i] > 1
+            ax.add_patch(plt.Rectangle((j, -r - 0.5), 0.95, 0.9, color="tab:red" if repeat else "tab:blue",
+                                       alpha=0.8))
+            ax.text(j + 0.47, -r, str(i), ha="center", va="center", color="white", fontsize=12)
+    ax.set_xlim(0, max(map(len, per_rank))); ax.set_ylim(-len(per_rank) + 0.4, 0.5)
+    ax.set_yticks([-r for r in range(len(per_rank))], [f"rank {r}" for r in range(len(per_rank))])
+    ax.set_xticks([]); ax.set_title(title, fontsize=10)
+
+fig, axes = plt.subplots(1, 3, figsize=(11, 2.4))
+draw(ss.shards(10, 3, shuffle=False), axes[0], "shuffle=False")
+draw(ss.shards(10, 3, shuffle=True), axes[1], "shuffle=True (seed 0, epoch 0)")
+draw(ss.shards(10, 3, shuffle=True, drop_last=True), axes[2], "shuffle=True, drop_last=True")
+fig.suptitle("DistributedSampler, 10 samples on 3 ranks (red: a sample seen a second time)")
+plt.tight_layout(); plt.show()
+
+# %% [markdown]
+# Every rank gets `ceil(10 / 3) = 4` indices: ranks take turns through one common order
+# (rank r gets positions r, r + W, r + 2W, ...), so equal lengths need 12 slots for 10 samples.
+#
+# ## 2. Padding repeats real samples; it never pads with zeros
+#
+# Where do the 2 extra slots come from? Count the indices over all ranks and compare them with the
+# order the sampler shuffled (`ss.shards(n, 1, ...)` is that order, unsharded):
+
+# %%
+for shuffle in (False, True):
+    per_rank = ss.shards(10, 3, shuffle=shuffle)
+    order = ss.shards(10, 1, shuffle=shuffle)[0]
+    extra = Counter(i for s in per_rank for i in s) - Counter(range(10))
+    print(f"shuffle={shuffle!s:<5} order {order}\n{'':14}repeated {sorted(extra.elements())}, "
+          f"first two of the order {sorted(order[:2])}, any index outside 0..9: "
+          f"{any(not 0 <= i < 10 for s in per_rank for i in s)}")
+
+# %% [markdown]
+# The extra slots are filled with the **first indices of the same order** (when the
+# dataset is shorter than the number of slots to fill, the order is repeated as often as needed;
+# see `__iter__` in the [source](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/distributed.py)). A padded batch is made of
+# real samples, loaded by the dataset like any other: there is no zero tensor anywhere. The
+# article's "padded with zeros" is wrong, and so is its "no overlap": samples 0 and 1 are seen by
+# two ranks in every padded epoch.
+#
+# `drop_last=True` goes the other way: it cuts the order to the largest multiple of W (here 9) and
+# drops the rest, so nothing repeats but one sample is never seen in that epoch (with shuffling, a
+# different one each epoch):
+
+# %%
+dropped = ss.shards(10, 3, shuffle=True, drop_last=True)
+print(dropped, "unseen:", sorted(set(range(10)) - {i for s in dropped for i in s}),
+      "repeated:", ss.repeated(dropped))
+
+# %% [markdown]
+# For training, W - 1 repeated samples out of a large dataset do not matter. For
+# **evaluation** they do.
+#
+# ## 3. Evaluation: the padded average is biased
+#
+# `eval_without_duplicates.py` evaluates a fixed model (mean squared error) on a small set four
+# ways: on one process (the reference); the naive distributed way (each rank averages its sampler
+# shard, then the ranks average their means); de-duplicated (each rank `all_gather`s its
+# (index, error) pairs, every index is kept once); and with unpadded strided shards, reducing the
+# error *sum* and the sample *count*:
+
+# %%
+import inspect
+print(inspect.getsource(ev.naive)); print(inspect.getsource(ev.deduplicated))
+
+# %%
+for n, world_size in ((10, 3), (7, 2), (9, 3)):
+    results = run_ranks(ev.evaluate_all, world_size, n)[0]
+    reference = results["single process"]
+    print(f"n={n:>2}, {world_size} ranks, {-n % world_size} repeated: " + ", ".join(
+        f"{name} {value:.5f}" + (f" ({(value - reference) / reference:+.1%})" if name != "single process" else "")
+        for name, value in results.items()))
+
+# %% [markdown]
+# With 10 samples on 3 ranks the naive number is off by several percent (the two repeated
+# samples carry twice the weight of the others); at 9 samples on 3 ranks nothing is repeated and
+# all four agree. The bias shrinks like `(W-1)/n` on a large set, but it is a bias, not noise: two
+# runs with different world sizes report different scores for the same model, and a leaderboard
+# number computed this way is not the dataset's.
+#
+# Correct ways, both implemented and checked above: keep the sampler but gather per-sample results
+# **with their indices** and de-duplicate (needs the dataset to give each sample a stable index);
+# or shard without padding (`range(rank, n, W)`; shards differ in length by at most one) and reduce
+# sums and counts, never means of means. Evaluating everything on rank 0 alone is also correct,
+# only slower. Do not use `drop_last=True` for evaluation: it silently skips samples.
+#
+# ## 4. `set_epoch`: a new order every epoch, the same order on every rank
+#
+# The shuffle uses a generator seeded with `seed + epoch` (`seed` is a constructor argument,
+# default 0; `epoch` is whatever `set_epoch` last set, initially 0; [source](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/distributed.py),
+# [docs](https://docs.pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler)). Nothing advances the epoch by itself. Two ranks, 10 samples, three
+# epochs, with and without `sampler.set_epoch(epoch)`:
+
+# %%
+for call_set_epoch in (True, False):
+    epochs = run_ranks(lambda rank, ws: ss.gathered_epochs(10, 3, call_set_epoch), 2)[0]
+    print(f"set_epoch called: {call_set_epoch}")
+    for e, per_rank in enumerate(epochs):
+        union = sorted(i for s in per_rank for i in s)
+        print(f"  epoch {e}: rank 0 {per_rank[0]}, rank 1 {per_rank[1]}, together cover 0..9: {union == list(range(10))}")
+
+# %% [markdown]
+# Without `set_epoch`, epochs 0, 1, 2 are the same permutation: shuffling happens once, not
+# per epoch. (The article's trouble table blames a missing `set_epoch` for "duplicated data"; what
+# it causes is a repeated *order*, not duplicates across ranks.) With it, the order changes and the
+# two shards still partition the data. That is only possible because both ranks drew the **same**
+# permutation and took different strides of it. The `seed` must therefore be equal on every rank:
+# seeding the sampler with the rank (a common slip when "every rank gets its own seed") breaks the
+# partition:
+
+# %%
+wrong = [list(DistributedSampler(ss.Indices(10), num_replicas=2, rank=r, seed=r)) for r in range(2)]
+both = set(wrong[0]) & set(wrong[1])
+print(wrong, f"-> {len(both)} samples on both ranks, {10 - len(set(wrong[0]) | set(wrong[1]))} on neither")
+
+
+# %% [markdown]
+# ## 5. Per-rank batch size and global batch size
+#
+# `DataLoader(batch_size=B, sampler=DistributedSampler(...))` gives each rank batches of B
+# samples. One optimizer step of DDP averages the gradients of all ranks, i.e. it takes one step
+# on **W x B** samples (chapter 01 shows DDP matches a single process on the full batch). Counted
+# in a 2-rank group:
+
+# %%
+def samples_per_step(rank, world_size, per_rank_batch):
+    data = make_regression(64, seed=0)
+    loader = DataLoader(data, batch_size=per_rank_batch, sampler=DistributedSampler(data))
+    x, _ = next(iter(loader))
+    count = torch.tensor([x.shape[0]])
+    dist.all_reduce(count)
+    return {"per-rank batch": x.shape[0], "global batch": count.item(), "steps per epoch": len(loader)}
+
+print(run_ranks(samples_per_step, 2, 8)[0])
+try:  # shuffling belongs to the sampler: DataLoader refuses both
+    DataLoader(ss.Indices(10), shuffle=True, sampler=DistributedSampler(ss.Indices(10), 2, 0))
+except ValueError as error:
+    print("ValueError:", error)
+
+
+# %% [markdown]
+# Moving a single-GPU recipe (batch 8, learning rate lr) to W ranks with the same
+# per-rank batch therefore multiplies the batch by W, and halves (for W = 2) the steps per epoch.
+# A common heuristic is the **linear scaling rule**: multiply the learning rate by the same factor,
+# with a gradual warm-up over the first epochs ([Goyal et al. 2017, "Accurate, Large Minibatch SGD"](https://arxiv.org/abs/1706.02677),
+# SGD on ImageNet; the authors report it holds there up to batch ~8k and breaks down beyond). It is
+# a heuristic for SGD, not a law: other optimizers and models need their own tuning. The
+# alternative is to divide the per-rank batch by W and keep the recipe unchanged.
+#
+# ## 6. DataLoader workers: every rank starts its own
+#
+# `num_workers=k` makes *each rank's* DataLoader fork k worker processes. Each sample below
+# reports the pid of the process that loaded it and that process's `torch.get_num_threads()`:
+
+# %%
+class WhoLoads(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        return torch.tensor([os.getpid(), torch.get_num_threads(), get_worker_info().id])
+
+def loader_processes(rank, world_size, num_workers):
+    loader = DataLoader(WhoLoads(), batch_size=2, num_workers=num_workers,
+                        sampler=DistributedSampler(WhoLoads(), shuffle=False))
+    rows = torch.cat(list(loader))
+    return {"rank pid": os.getpid(), "rank threads": torch.get_num_threads(),
+            "worker pids": sorted(set(rows[:, 0].tolist())), "worker threads": sorted(set(rows[:, 1].tolist()))}
+
+per_rank = run_ranks(loader_processes, 2, 2)
+for r, info in enumerate(per_rank):
+    print(f"rank {r}: {info}")
+print("distinct worker processes:", len({p for info in per_rank for p in info["worker pids"]}), "= 2 ranks x 2 workers")
+
+# %% [markdown]
+# So the machine runs `W x (1 + num_workers)` Python processes, here 6 on 2 cores. Each
+# worker sets itself to one intra-op thread (`torch.set_num_threads(1)` in the worker loop,
+# [worker.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/_utils/worker.py)), and `torchrun` sets `OMP_NUM_THREADS=1` for
+# each rank unless you set it (it prints a warning saying so; [run.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/run.py)).
+# (`run_ranks` instead gives each rank `cores // W` threads, as the output shows.) Size
+# `num_workers` from the cores *per rank*: roughly `cores / W - 1` at most, less if the rank's
+# own threads are busy. The article's "about physical cores / 2" is for one process; with 8 ranks
+# on a 32-core machine it means 8 x 16 = 128 workers.
+#
+# ## 7. Uneven inputs: one rank runs out of batches
+#
+# Every DDP backward all-reduces gradients, so every rank must run the same number of steps. A
+# hand-made split such as `indices[rank::W]` of 9 samples gives rank 0 five samples (3 batches of
+# 2) and rank 1 four (2 batches). `ui.train` runs one epoch and ends with a `dist.barrier()` (as
+# before saving a checkpoint). Rank 1 reaches the barrier while rank 0 waits in its third backward
+# for gradients that never come. With the default process-group timeout (minutes) that is a hang;
+# here `run_ranks` stops it after 5 s and shows where each rank was:
+
+# %%
+try:
+    run_ranks(ui.train, 2, "none", timeout=5, relay_output=False)
+except RankTimeoutError as error:
+    print(str(error).splitlines()[0])
+    for line in str(error).splitlines():   # each rank's stack: where in ui.train was it?
+        if "did not finish" in line:
+            rank = line.split()[1]
+        elif "uneven_inputs.py" in line:
+            number = int(line.split("line")[1].split()[0])
+            print(f"  rank {rank} stuck at uneven_inputs.py:{number}: {linecache.getline(ui.__file__, number).strip()}")
+
+# %% [markdown]
+# `uneven_inputs.py --fix none` runs the same under torchrun, DDP on a group with a 3 s
+# timeout: both ranks raise `RuntimeError: ... Timed out waiting 3000ms` and the job exits non-zero
+# (the chapter's test checks it). Mismatched collectives can also end in an abort instead of a
+# hang, depending on which collectives meet; either way the job is lost.
+#
+# **Fix 1: equal shards.** `DistributedSampler` gives every rank `ceil(n / W)` samples, so the
+# same number of batches (at the price of the repeats of section 2). **Fix 2: `Join`.** When the
+# uneven split is wanted (e.g. an iterable dataset you cannot pad), wrap the loop in
+# `torch.distributed.algorithms.Join([model])` ([docs](https://docs.pytorch.org/docs/stable/distributed.algorithms.join.html), [tutorial](https://docs.pytorch.org/tutorials/advanced/generic_join.html)):
+# a rank that runs out keeps answering the others' gradient all-reduces (with zeros) until all
+# ranks are done. Checked here on gloo/CPU (torch 2.13):
+
+# %%
+print("torch", torch.__version__)
+for fix in ("sampler", "join"):
+    print(f"--fix {fix}: batches per rank {run_ranks(ui.train, 2, fix, timeout=30)}")
+
+# %% [markdown]
+# Two things `Join` does not do. It only shadows the collectives of the objects you pass it
+# (DDP's gradient all-reduce, ZeroRedundancyOptimizer's); any other collective inside the loop, for
+# example an `all_reduce` of the loss for logging or `SyncBatchNorm`, still hangs; for those the
+# docs tell you to pass `throw_on_early_termination=True` and handle the exception. And by default
+# DDP still divides gradients by the initial world size, so in the extra steps the remaining ranks'
+# gradients count as if the joined ranks had contributed zeros (`divide_by_initial_world_size`,
+# [DDP.join](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py)).
+#
+# ## Pitfalls
+#
+# * **Believing "padded with zeros" or "no overlap"**: without `drop_last`, up to W - 1 real
+#   samples are seen twice per epoch (section 2).
+# * **Evaluating with the training sampler and averaging means**: biased when `n % W != 0`
+#   (section 3). De-duplicate by index, or reduce sums and counts over unpadded shards.
+# * **`drop_last=True` in evaluation**: skips samples silently.
+# * **Forgetting `sampler.set_epoch(epoch)`**: every epoch gets the same order (section 4). Call it
+#   before creating the epoch's iterator (`for batch in loader`), on every rank, with the same epoch.
+# * **Different `seed` per rank**: the shards overlap and miss samples (section 4).
+# * **`DataLoader(shuffle=True)` together with a sampler**: refused with a `ValueError`
+#   (section 5); shuffle through the sampler (`shuffle=True` is its default).
+# * **Forgetting that the global batch is W x the per-rank batch** when reusing a learning rate
+#   (section 5).
+# * **`num_workers` sized for one process**: the machine runs W times as many (section 6).
+# * **Hand-made splits with unequal lengths**: a hang at the next collective (section 7).
+#
+# ## Summary
+#
+# * `DistributedSampler` gives rank r every W-th index of one order that all ranks share, padded to
+#   `ceil(n / W)` indices per rank by **repeating the first indices** (or cut with `drop_last`).
+# * The repeats bias evaluation metrics that average per-rank means; gather per-sample results with
+#   their indices and de-duplicate, or reduce sums and counts over unpadded shards.
+# * The order is a permutation seeded by `seed + epoch`: call `set_epoch` every epoch and use the
+#   same `seed` on every rank.
+# * Global batch = per-rank batch x W; scaling the learning rate with it is a heuristic.
+# * Each rank starts its own `num_workers` workers.
+# * Every rank must run the same number of steps: equal shards, or `Join`.
+#
+# **Exercise** (`exercises/06_data_loading/`): write `shard_indices`, your own version of what
+# `DistributedSampler` returns. Check yourself with `pytest exercises/06_data_loading` from the
+# repository root.
