@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from course_layout import chapter_scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 # A script whose docstring says "Launch test: custom" needs more than one command (two "nodes",
 # a failing worker); its chapter's own test file launches it.
 CUSTOM = "Launch test: custom"
-SCRIPTS = sorted(p for p in (ROOT / "chapters").glob("*/*.py")
-                 if not p.name.startswith("_") and CUSTOM not in p.read_text())
+SCRIPTS = [p for p in chapter_scripts() if CUSTOM not in p.read_text()]
 
 
 def launch_command(script: Path) -> str:

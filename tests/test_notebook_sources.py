@@ -19,12 +19,12 @@ import jupytext
 from jupytext.cli import jupytext as jupytext_command
 import nbformat
 import pytest
+from course_layout import LESSONS
 
 from autograder.release import generate_release
 from autograder.sources import TEXT_TWIN_SUFFIX, assignments, exercises
 
 ROOT = Path(__file__).resolve().parent.parent
-LESSONS = sorted((ROOT / "chapters").glob("*/*.ipynb"))
 SOURCES = [exercise.source for exercise in exercises()]
 NOTEBOOKS = LESSONS + SOURCES
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from course_layout import LESSONS
 
 from ddpcourse.kernels import execute_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
-LESSONS = sorted((ROOT / "chapters").glob("*/*.ipynb"))
 CELL_TIMEOUT_S = 300
 
 

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from course_layout import PYPROJECT, TESTED_TORCH, chapter_scripts
 from packaging.requirements import Requirement
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDA_NAMES = {"torch": "pytorch"}  # pip name -> conda-forge name, where they differ
@@ -27,7 +22,7 @@ def test_the_design_cards_layout_exists():
 
 
 def pyproject_requirements() -> dict[str, str]:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = PYPROJECT["project"]
     wanted = {}
     for line in project["dependencies"] + project["optional-dependencies"]["dev"]:
         req = Requirement(line)
@@ -68,8 +63,15 @@ def test_ci_runs_the_readmes_two_quickstart_commands_verbatim():
     assert "set -euo pipefail" in ci_lines
 
 
+def test_the_tested_torch_version_is_written_once():
+    """pyproject.toml's [tool.ddpcourse] torch; CI reads it from there instead of repeating it."""
+    assert re.fullmatch(r"\d+\.\d+\.\d+", TESTED_TORCH)
+    for path in [ROOT / ".ci/run", ROOT / "README.md", *ROOT.glob("tests/*.py")]:
+        assert f"torch=={TESTED_TORCH}" not in path.read_text(), path
+
+
 @pytest.mark.parametrize(
-    "script", sorted(p for p in (ROOT / "chapters").glob("*/*.py") if not p.name.startswith("_")),
+    "script", chapter_scripts(),
     ids=lambda p: p.name,
 )
 def test_every_chapter_script_starts_with_its_launch_command(script):
