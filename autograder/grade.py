@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from autograder.nbgrader_api import REPO
+from autograder.notices import write_notice
 from ddpcourse.processes import kill_process_group, live_descendants, process_table
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -94,12 +95,10 @@ class _Worker:
         self.log.close()
 
     def _failed(self, status: str, why: str) -> dict:
-        from autograder.worker import _write_notice
-
         feedback = self.out / "work" / self.student / "feedback" / self.student / self.assignment
         for nb in (self.out / "work" / self.student / "submitted" / self.student /
                    self.assignment).glob("*.ipynb"):
-            _write_notice(feedback / f"{nb.stem}.html", self.student, self.assignment, status, why)
+            write_notice(feedback / f"{nb.stem}.html", self.student, self.assignment, status, why)
         return {"student": self.student, "assignment": self.assignment, "status": status,
                 "score": 0.0, "max_score": None, "cells": {}, "flags": [], "notes": [why],
                 "feedback": str(feedback), "seconds": round(time.monotonic() - self.started, 1)}

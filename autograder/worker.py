@@ -12,7 +12,6 @@ that says so, so no student silently disappears. The result goes to ``result.jso
 
 from __future__ import annotations
 
-import html
 import json
 import shutil
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import nbformat
 
 from autograder.nbgrader_api import REPO, api_for, check, load_config
+from autograder.notices import write_notice
 from autograder.tamper_scan import locked_ids_of, scan_notebook
 
 SETUP_ID = "setup"
@@ -105,20 +105,6 @@ def _cell_report(nb, index: int, what: str) -> str:
     return f"code cell {index + 1} (of the notebook's {len(nb.cells)} cells): {what}.\n\n{head}"
 
 
-def _write_notice(dest: Path, student: str, assignment: str, title: str, body: str) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(
-        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(assignment)}: {html.escape(student)}</title></head><body>"
-        f"<h1>{html.escape(assignment)} &mdash; {html.escape(title)}</h1>"
-        f"<p>Student: {html.escape(student)}. Score: 0.</p>"
-        f"<pre>{html.escape(body)}</pre>"
-        "<p>Fix the cause, check your notebook with <code>pytest exercises/"
-        f"{html.escape(assignment)}</code>, and ask your instructor to grade it again.</p>"
-        "</body></html>"
-    )
-
-
 def grade_one(job: dict) -> dict:
     started = time.monotonic()
     student, assignment = job["student"], job["assignment"]
@@ -153,7 +139,7 @@ def grade_one(job: dict) -> dict:
                    for nb in sorted(submitted.glob("*.ipynb"))]
         notes.extend(reasons)
         for nb in sorted(submitted.glob("*.ipynb")):
-            _write_notice(feedback_dir / f"{nb.stem}.html", student, assignment,
+            write_notice(feedback_dir / f"{nb.stem}.html", student, assignment,
                           "could not be graded",
                           "nbgrader could not grade this notebook: its kernel died or could "
                           "not be interrupted, so no test ran to completion.\n\n"
@@ -166,7 +152,7 @@ def grade_one(job: dict) -> dict:
         for page in feedback_dir.glob("*.html"):
             page.unlink()
         for nb in sorted(submitted.glob("*.ipynb")):
-            _write_notice(feedback_dir / f"{nb.stem}.html", student, assignment,
+            write_notice(feedback_dir / f"{nb.stem}.html", student, assignment,
                           "flagged for review",
                           "The notebook changes functions that the tests rely on, so its "
                           "test results cannot be trusted; it scores 0 until your instructor "
