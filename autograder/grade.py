@@ -1,6 +1,6 @@
 """Grade a class: one isolated worker per submission, several at once, one CSV at the end.
 
-    python -m autograder grade SUBMISSIONS [--assignment 05_allreduce] [--out autograder/course]
+    python -m autograder grade SUBMISSIONS --assignment 05_allreduce [--out autograder/course]
 
 ``SUBMISSIONS`` is nbgrader's ``submitted/`` layout: ``SUBMISSIONS/{student}/{assignment}/*.ipynb``.
 Each student is graded by ``autograder/worker.py`` in its own process session, course directory
