@@ -6,7 +6,7 @@ notebook's source from outside the kernel, where no student code runs, and flags
 
 * assignments, deletions, ``setattr``/``delattr`` on anything reached from a protected module
   (torch, torch.distributed, ddpcourse, autograder, builtins, sys, importlib), e.g.
-  ``dist.all_reduce = ...``, ``ch05.check_ring_allreduce_two_ranks = ...``,
+  ``dist.all_reduce = ...``, ``checks.check_ring_allreduce_two_ranks = ...``,
   ``sys.modules["ddpcourse.launcher"] = ...``;
 * the tools such tampering needs and these exercises never do: ``exec``, ``eval``, ``compile``,
   ``__import__``, ``ctypes``, ``gc``, ``importlib``, ``sys._getframe``, ``__code__``,
@@ -47,7 +47,7 @@ def _setup_names() -> set[str]:
         setup_source(nbformat.read(exercise.source, as_version=4))) for exercise in exercises()))
 
 
-# Names the locked setup cells bind to protected modules and functions (dist, ch05, run_ranks...).
+# Names the locked setup cells bind to protected modules and functions (dist, checks, run_ranks...).
 SETUP_NAMES = _setup_names()
 FORBIDDEN_CALLS = {"exec", "eval", "compile", "__import__", "setattr", "delattr"}
 FORBIDDEN_MODULES = {"ctypes", "gc", "importlib", "builtins", "inspect"}

@@ -1,4 +1,5 @@
-"""Shared fixtures: a warm rank server for the whole session, and an orphan check per test."""
+"""Shared fixtures: a warm rank server for the whole session, an orphan check per test, and the
+integrity snapshot the grading tests take as an exercise's locked setup cell does."""
 
 from __future__ import annotations
 
@@ -34,3 +35,13 @@ def no_orphans():
     yield
     left = leftover_processes() - before
     assert not left, f"processes left running after the test: {sorted(left)}"
+
+
+@pytest.fixture
+def integrity_snapshot():
+    """What an exercise's locked setup cell does before any student code: record the protected
+    objects, which every check compares against (``integrity.assert_untampered``). Only the first
+    snapshot of a process counts; the tests of each exercise ask for it all the same."""
+    from ddpcourse.grading import integrity
+
+    integrity.snapshot()

@@ -45,8 +45,9 @@ def grade(class_root: Path, out: Path, jobs: int = 2) -> tuple[dict[str, dict], 
     env = dict(os.environ, DDPCOURSE_CHECK_TIMEOUT_S="10", DDPCOURSE_GRADING_TEST=mark.split("=")[1])
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "autograder", "grade", str(class_root / "submitted"), "--out",
-         str(out), "--jobs", str(jobs), "--cell-timeout", "30", "--student-timeout", "600"],
+        [sys.executable, "-m", "autograder", "grade", str(class_root / "submitted"),
+         "--assignment", "05_allreduce", "--out", str(out), "--jobs", str(jobs),
+         "--cell-timeout", "30", "--student-timeout", "600"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     elapsed = time.monotonic() - start
     assert done.returncode == 0, done.stdout + done.stderr
@@ -118,7 +119,7 @@ def test_students_whose_kernel_died_or_blocked_still_get_a_row_and_feedback(grad
 def test_every_student_gets_a_small_feedback_page_without_the_hidden_checks(graded):
     _, out, _, _ = graded
     hidden_source = "\n".join((ROOT / "autograder/hidden" / name).read_text()
-                              for name in ("ch05.py", "ch05_ddp.py"))
+                              for name in ("allreduce_by_hand.py", "bucketed_ddp.py"))
     secret_lines = [line.strip() for line in hidden_source.splitlines()
                     if line.strip().startswith("(") or "_hidden(" in line]
     for student in EXPECTED:

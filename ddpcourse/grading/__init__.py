@@ -5,11 +5,13 @@
 * :mod:`ddpcourse.grading.comm_audit` - counts what a rank sends and which collectives it calls.
 * :mod:`ddpcourse.grading.checks` - run a student's function in clean ranks and compare;
   ``agree`` ends a failed case on every rank at once (no peer left waiting in a collective).
-* ``ddpcourse.grading.chNN`` - each exercise notebook's visible checks: ch00 (bus bandwidth, an
-  all-reduce self-test that can fail), ch01 (DDP on shares = one process), ch02 (bytes per rank,
-  DDP vs FSDP2, measured), ch03 (torchrun flags from SLURM, launched for real), ch04 (ranks from
-  the environment), ch05 (average_gradients, ring all-reduce), ch05_ddp (broadcast, BucketedDDP),
-  ch06 (DistributedSampler's indices by hand). Hidden checks are grader-only, in autograder/hidden/.
+* ``ddpcourse.grading.exercises.<slug>`` - each exercise's visible checks, one module per
+  exercise: health_check (bus bandwidth, an all-reduce self-test that can fail),
+  ddp_same_as_one_process (DDP on shares = one process), memory_per_rank (bytes per rank, DDP vs
+  FSDP2, measured), torchrun_from_slurm (torchrun flags from SLURM, launched for real),
+  ranks_from_env (ranks from the environment), allreduce_by_hand (average_gradients, ring
+  all-reduce), bucketed_ddp (broadcast, BucketedDDP), sampler_by_hand (DistributedSampler's
+  indices by hand). Hidden checks are grader-only, in ``autograder.hidden.<slug>``.
 * :mod:`ddpcourse.grading.forbidden` - run a student's function under a profile hook that sees
   whether a forbidden shortcut (the library function to be rebuilt) ran.
 * :mod:`ddpcourse.grading.notebook_runner` - execute a notebook and report each test cell.

@@ -110,9 +110,9 @@ SUBMISSIONS = {
         "def average_gradients(model):\n    pass")}),
     "trent": build({"average-gradients": (
         "integrity.assert_untampered = lambda: None\n"
-        "for name in dir(ch05):\n"
+        "for name in dir(checks):\n"
         "    if name.startswith('check_'):\n"
-        "        setattr(ch05, name, lambda fn: None)\n"
+        "        setattr(checks, name, lambda fn: None)\n"
         "def average_gradients(model):\n    pass")}),
 }
 

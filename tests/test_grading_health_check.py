@@ -1,24 +1,18 @@
-"""The checks of exercises 00 (bus_bandwidth, all_reduce_self_test) and 01 (train_with_ddp) catch
-plausible wrong solutions, pass right ones written several ways, and rest on facts measured here."""
+"""The checks of exercise health_check (chapter 00: bus_bandwidth, all_reduce_self_test) catch
+plausible wrong solutions, pass right ones written several ways, and rest on facts measured here.
+The exercise: solutions/00_setup/health_check.nb.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from autograder.hidden import ch00 as hidden00
-from autograder.hidden import ch01 as hidden01
-from ddpcourse.grading import ch00, ch01, integrity
+from autograder.hidden import health_check as hidden
 from ddpcourse.grading.checks import CheckFailed, run_student
-from ddpcourse.launcher import run_ranks
+from ddpcourse.grading.exercises import health_check as checks
 
-
-@pytest.fixture(autouse=True)
-def _snapshot():
-    integrity.snapshot()
+pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 
 
 # --- bus_bandwidth ----------------------------------------------------------------------------
@@ -62,26 +56,26 @@ def without_all_to_all(collective, nbytes, seconds, world_size):
 
 
 def test_bus_bandwidth_checks_pass_the_definitions_and_catch_wrong_ones():
-    ch00.check_bus_bandwidth_all_reduce(bandwidth)
-    ch00.check_bus_bandwidth_other_collectives(bandwidth)
-    hidden00.check_bus_bandwidth(bandwidth)
+    checks.check_bus_bandwidth_all_reduce(bandwidth)
+    checks.check_bus_bandwidth_other_collectives(bandwidth)
+    hidden.check_bus_bandwidth(bandwidth)
     with pytest.raises(CheckFailed, match="ddpcourse.doctor.algorithm_bandwidth"):
-        ch00.check_bus_bandwidth_all_reduce(uses_the_doctor)
+        checks.check_bus_bandwidth_all_reduce(uses_the_doctor)
     with pytest.raises(CheckFailed, match="that is bytes/s"):
-        ch00.check_bus_bandwidth_all_reduce(in_bytes_per_second)
+        checks.check_bus_bandwidth_all_reduce(in_bytes_per_second)
     with pytest.raises(CheckFailed, match="reduce_scatter.*expected busbw"):
-        ch00.check_bus_bandwidth_other_collectives(all_reduce_factor_everywhere)
+        checks.check_bus_bandwidth_other_collectives(all_reduce_factor_everywhere)
     with pytest.raises(CheckFailed, match="gather.*expected ValueError"):
-        ch00.check_bus_bandwidth_other_collectives(no_validation)
-    ch00.check_bus_bandwidth_other_collectives(without_all_to_all)
+        checks.check_bus_bandwidth_other_collectives(no_validation)
+    checks.check_bus_bandwidth_other_collectives(without_all_to_all)
     with pytest.raises(CheckFailed, match="all_to_all"):
-        hidden00.check_bus_bandwidth(without_all_to_all)
+        hidden.check_bus_bandwidth(without_all_to_all)
 
 
 def test_the_doctor_really_computes_the_all_reduce_figures():
     """What the import ban is about: the course's own doctor gives the right answer."""
-    for case in ch00.ALL_REDUCE_CASES:
-        assert uses_the_doctor(*case) == pytest.approx(ch00.reference_bandwidth(*case))
+    for case in checks.ALL_REDUCE_CASES:
+        assert uses_the_doctor(*case) == pytest.approx(checks.reference_bandwidth(*case))
 
 
 # --- all_reduce_self_test ---------------------------------------------------------------------
@@ -199,12 +193,12 @@ def tears_down_the_group():
 @pytest.mark.parametrize("kind", ["dist", "imported", "async", "functional"])
 def test_a_right_self_test_passes_however_it_calls_all_reduce(kind):
     if kind == "dist":
-        ch00.check_self_test_passes_on_a_healthy_group(right(kind))
-        ch00.check_self_test_catches_a_broken_all_reduce(right(kind))
-        hidden00.check_all_reduce_self_test(right(kind))
+        checks.check_self_test_passes_on_a_healthy_group(right(kind))
+        checks.check_self_test_catches_a_broken_all_reduce(right(kind))
+        hidden.check_all_reduce_self_test(right(kind))
     else:  # every corruption reaches this way of calling all_reduce too
-        for corruption in [None, *ch00.CORRUPTIONS]:
-            run_student(ch00.self_test_case, 2, right(kind), corruption)
+        for corruption in [None, *checks.CORRUPTIONS]:
+            run_student(checks.self_test_case, 2, right(kind), corruption)
 
 
 @pytest.mark.parametrize("wrong, visible_catches, message", [
@@ -222,140 +216,21 @@ def test_a_right_self_test_passes_however_it_calls_all_reduce(kind):
 def test_the_self_test_checks_catch_checks_that_cannot_fail(wrong, visible_catches, message):
     """``visible_catches``: True, or the hidden corruption (tried on 2 ranks) that catches it."""
     def visible():
-        ch00.check_self_test_passes_on_a_healthy_group(wrong)
-        ch00.check_self_test_catches_a_broken_all_reduce(wrong)
+        checks.check_self_test_passes_on_a_healthy_group(wrong)
+        checks.check_self_test_catches_a_broken_all_reduce(wrong)
 
     if visible_catches is True:
         with pytest.raises(CheckFailed, match=message):
             visible()
     else:
         visible()
-        assert visible_catches in hidden00.CORRUPTIONS  # the hidden check tries every one
+        assert visible_catches in hidden.CORRUPTIONS  # the hidden check tries every one
         with pytest.raises(CheckFailed, match=message):
-            run_student(ch00.self_test_case, 2, wrong, visible_catches)
+            run_student(checks.self_test_case, 2, wrong, visible_catches)
 
 
 def test_a_rank_0_that_contributes_nothing_goes_unnoticed_by_the_articles_check():
     """ones * rank: rank 0 adds zeros, so losing its contribution changes nothing it looks at."""
-    run_student(ch00.self_test_case, 4, articles_check, "no-op")  # at 4 ranks the no-op shows
+    run_student(checks.self_test_case, 4, articles_check, "no-op")  # at 4 ranks the no-op shows
     with pytest.raises(CheckFailed, match="rank 0's contribution is missing"):
-        run_student(ch00.self_test_case, 4, articles_check, "rank-0-dropped")
-
-
-# --- train_with_ddp ---------------------------------------------------------------------------
-
-def _share(x, y, shard=True):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    if len(x) % n:
-        raise ValueError("rows do not split")
-    if not shard:
-        return x, y
-    k = len(x) // n
-    return x[rank * k:(rank + 1) * k], y[rank * k:(rank + 1) * k]
-
-
-def _loop(model, x, y, steps, lr, reduction="mean", extra_forward=False):
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y, reduction=reduction).backward()
-        optimizer.step()
-        if extra_forward:
-            with torch.no_grad():
-                model(x)
-
-
-def train_right(model, x, y, steps, lr):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    if len(x) % n:
-        raise ValueError("rows do not split")
-    ddp = DDP(model)
-    _loop(ddp, x[rank::n], y[rank::n], steps, lr)  # strided shares are fine too
-    return model
-
-
-def train_every_rank_on_everything(model, x, y, steps, lr):
-    ddp = DDP(model)
-    _loop(ddp, *_share(x, y, shard=False), steps, lr)
-    return model
-
-
-def train_with_summed_loss(model, x, y, steps, lr):
-    ddp = DDP(model)
-    _loop(ddp, *_share(x, y), steps, lr, reduction="sum")
-    return model
-
-
-def train_without_ddp(model, x, y, steps, lr):
-    _loop(model, *_share(x, y), steps, lr)
-    return model
-
-
-def train_a_new_model(model, x, y, steps, lr):
-    fresh = ch01.make_model("tiny", 0)
-    _loop(DDP(fresh), *_share(x, y), steps, lr)
-    return fresh
-
-
-def train_and_return_the_wrapper(model, x, y, steps, lr):
-    ddp = DDP(model)
-    _loop(ddp, *_share(x, y), steps, lr)
-    return ddp
-
-
-def train_and_log(model, x, y, steps, lr):
-    ddp = DDP(model)
-    _loop(ddp, *_share(x, y), steps, lr, extra_forward=True)
-    return model
-
-
-def train_with_uneven_shares(model, x, y, steps, lr):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    ddp = DDP(model)
-    _loop(ddp, x.tensor_split(n)[rank], y.tensor_split(n)[rank], steps, lr)
-    return model
-
-
-def test_a_right_training_loop_passes_every_check():
-    ch01.check_train_with_ddp_matches_one_process(train_right)
-    ch01.check_train_with_ddp_shares_the_batch(train_right)
-    hidden01.check_train_with_ddp(train_right)
-
-
-@pytest.mark.parametrize("wrong, check, message", [
-    (train_with_summed_loss, "matches", "not what one process gets"),
-    (train_without_ddp, "matches", "differs between rank 0 and rank 1"),
-    (train_a_new_model, "matches", "must return the `model` it was given"),
-    (train_and_return_the_wrapper, "matches", "returned the DistributedDataParallel wrapper"),
-    (train_every_rank_on_everything, "shares", "every rank trained on the whole batch"),
-    (train_and_log, "shares", "forward ran 10 times"),
-    (train_with_uneven_shares, "not_divisible", "expected ValueError"),
-])
-def test_the_ddp_checks_catch_wrong_training_loops(wrong, check, message):
-    checks = {"matches": ch01.check_train_with_ddp_matches_one_process,
-              "shares": ch01.check_train_with_ddp_shares_the_batch,
-              "not_divisible": lambda fn: run_student(ch01.not_divisible_case, 2, fn, 7)}
-    assert (2, 7) in hidden01.NOT_DIVISIBLE
-    if wrong is train_every_rank_on_everything:  # right weights, at N times the work
-        ch01.check_train_with_ddp_matches_one_process(wrong)
-    with pytest.raises(CheckFailed, match=message):
-        checks[check](wrong)
-
-
-def ddp_facts(rank, world_size):
-    model = ch01.make_model("frozen_shift", rank)
-    ddp = DDP(model)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, state)
-    same = all(torch.equal(everyone[0][k], everyone[r][k]) for r in range(world_size)
-               for k in state)
-    return ddp.module is model, sorted(ddp.state_dict())[0], same
-
-
-def test_ddp_wraps_the_module_itself_and_copies_rank_0s_state_frozen_and_buffers_included():
-    """Backs the task text: DDP trains the very module it wraps (so returning `model` is right),
-    a DDP's state_dict keys carry a 'module.' prefix, and the constructor gives every rank rank
-    0's parameters (frozen ones too) and buffers."""
-    for is_same_module, first_key, equal_everywhere in run_ranks(ddp_facts, 2):
-        assert is_same_module and first_key.startswith("module.") and equal_everywhere
+        run_student(checks.self_test_case, 4, articles_check, "rank-0-dropped")

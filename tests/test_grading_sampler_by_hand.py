@@ -1,5 +1,6 @@
-"""The checks of exercise 06 (shard_indices, DistributedSampler by hand) pass right solutions,
-catch plausible wrong ones, and rest on facts about the sampler measured here."""
+"""The checks of exercise sampler_by_hand (chapter 06: shard_indices, DistributedSampler by hand)
+pass right solutions, catch plausible wrong ones, and rest on facts about the sampler measured
+here. The exercise: solutions/06_data_loading/sampler_by_hand.nb.py."""
 
 from __future__ import annotations
 
@@ -10,14 +11,11 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from autograder.hidden import ch06 as hidden06
-from ddpcourse.grading import ch06, integrity
+from autograder.hidden import sampler_by_hand as hidden
 from ddpcourse.grading.checks import CheckFailed
+from ddpcourse.grading.exercises import sampler_by_hand as checks
 
-
-@pytest.fixture(autouse=True)
-def _snapshot():
-    integrity.snapshot()
+pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 
 
 def make(order="randperm", pad="repeat", seed_with_epoch=True, share="strided", drop="honour",
@@ -102,15 +100,15 @@ def returns_a_tensor(dataset_len, num_replicas, rank, **kwargs):
 
 def test_the_reference_solution_passes_every_check():
     right = make()
-    ch06.check_shard_indices_without_shuffle(right)
-    ch06.check_shard_indices_shuffled(right)
-    ch06.check_shard_indices_drop_last_and_bad_ranks(right)
-    hidden06.check_shard_indices(right)
+    checks.check_shard_indices_without_shuffle(right)
+    checks.check_shard_indices_shuffled(right)
+    checks.check_shard_indices_drop_last_and_bad_ranks(right)
+    hidden.check_shard_indices(right)
 
 
-VISIBLE = {"no_shuffle": ch06.check_shard_indices_without_shuffle,
-           "shuffled": ch06.check_shard_indices_shuffled,
-           "drop_last": ch06.check_shard_indices_drop_last_and_bad_ranks}
+VISIBLE = {"no_shuffle": checks.check_shard_indices_without_shuffle,
+           "shuffled": checks.check_shard_indices_shuffled,
+           "drop_last": checks.check_shard_indices_drop_last_and_bad_ranks}
 
 
 @pytest.mark.parametrize("wrong, check, message", [
@@ -170,14 +168,14 @@ def test_the_hidden_checks_catch_what_the_visible_ones_miss():
         for visible in VISIBLE.values():
             visible(wrong)
         with pytest.raises(CheckFailed, match=message):
-            hidden06.check_shard_indices(wrong)
+            hidden.check_shard_indices(wrong)
 
 
 def test_the_sampler_behaves_as_the_task_says():
     """Backs the task text: padding repeats the start (several passes when needed), drop_last
     keeps len // n per rank, an empty dataset is accepted, num_replicas < 1 is a ValueError."""
     def shards(n, world, **kwargs):
-        return [ch06.reference_indices(n, world, r, **kwargs) for r in range(world)]
+        return [checks.reference_indices(n, world, r, **kwargs) for r in range(world)]
 
     assert shards(10, 3, shuffle=False) == [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]
     assert shards(1, 4) == [[0]] * 4
@@ -187,7 +185,7 @@ def test_the_sampler_behaves_as_the_task_says():
     g = torch.Generator()
     g.manual_seed(5 + 2)
     permutation = torch.randperm(7, generator=g).tolist()
-    assert ch06.reference_indices(7, 1, 0, seed=5, epoch=2) == permutation
+    assert checks.reference_indices(7, 1, 0, seed=5, epoch=2) == permutation
     for args in [(10, 0, 0), (10, -2, 0), (10, 2, 2), (10, 2, -1)]:
         with pytest.raises(ValueError):
-            ch06.reference_indices(*args)
+            checks.reference_indices(*args)
