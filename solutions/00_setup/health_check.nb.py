@@ -46,38 +46,53 @@ setup_notebook("health_check")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-bus-bandwidth", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## 1. `bus_bandwidth(collective, nbytes, seconds, world_size) -> (algbw, busbw)` (3 points)
 #
-# Return the two figures `nccl-tests` prints for one collective of `nbytes` bytes that took
-# `seconds` on `world_size` ranks, as a tuple of two floats in **GB/s = 10^9 bytes/s** (not GiB/s),
-# by the definitions of its
-# [doc/PERFORMANCE.md](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
-#
-# * algorithm bandwidth `algbw = S / t`, with `S = nbytes`;
-# * bus bandwidth `busbw = algbw * factor(n)`, `n = world_size`, with the factor of its summary:
-#
-# | `collective` | factor | what `nbytes` (`S`) is |
-# |---|---|---|
-# | `"all_reduce"` | `2(n-1)/n` | the tensor being reduced |
-# | `"reduce_scatter"` | `(n-1)/n` | the **whole input** (n times each rank's output) |
-# | `"all_gather"` | `(n-1)/n` | the **whole output** (n times each rank's input) |
-# | `"broadcast"`, `"reduce"` | `1` | the tensor sent from / reduced to the root |
-# | `"all_to_all"` | `(n-1)/n` | each rank's whole send buffer (n blocks) |
+# NVIDIA's `nccl-tests` print two figures for every collective they time: the algorithm bandwidth
+# and the bus bandwidth, defined in their
+# [doc/PERFORMANCE.md](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+# Implement `bus_bandwidth` as its docstring below says: the definitions, each collective's factor,
+# what raises `ValueError`, and what you may not call.
 #
 # Why the factor: an all-reduce needs `2(n-1)` transfers per element spread over `n` links, so
 # `busbw` is comparable to a link's rated speed whatever `n` is. For `n = 1` the all-reduce factor
 # is 0: a one-rank all-reduce moves nothing, exactly what is wrong with the article's check.
-#
-# Raise `ValueError` for any other `collective` name (exactly the six strings above are valid),
-# `world_size < 1`, `seconds <= 0` or `nbytes < 0` (`nbytes = 0` is allowed: 0 GB/s).
-# Values are compared with a relative tolerance of 1e-9.
-#
-# **Write the arithmetic yourself.** `ddpcourse.doctor` computes the all-reduce figures; the tests
-# run your function with a profiler hook and fail it if any function of the `ddpcourse` package
-# runs during the call, however it was imported.
 
 # %% nbgrader={"grade": false, "grade_id": "bus-bandwidth", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def bus_bandwidth(collective: str, nbytes: int, seconds: float,
                   world_size: int) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s (1e9 bytes/s) by nccl-tests' definitions."""
+    """(algbw, busbw) in GB/s (1e9 bytes/s) by nccl-tests' definitions.
+
+    The two figures `nccl-tests` prints for one collective of `nbytes` bytes that took `seconds` on
+    `world_size` ranks, by the definitions of its doc/PERFORMANCE.md:
+
+    * algorithm bandwidth `algbw = S / t`, with `S = nbytes`, `t = seconds`;
+    * bus bandwidth `busbw = algbw * factor(n)`, `n = world_size`, with the factor of its summary:
+
+      | `collective`              | factor     | what `nbytes` (`S`) is                       |
+      |---------------------------|------------|----------------------------------------------|
+      | `"all_reduce"`            | `2(n-1)/n` | the tensor being reduced                     |
+      | `"reduce_scatter"`        | `(n-1)/n`  | the whole input (n times each rank's output) |
+      | `"all_gather"`            | `(n-1)/n`  | the whole output (n times each rank's input) |
+      | `"broadcast"`, `"reduce"` | `1`        | the tensor sent from / reduced to the root   |
+      | `"all_to_all"`            | `(n-1)/n`  | each rank's whole send buffer (n blocks)     |
+
+    Write the arithmetic yourself: `ddpcourse.doctor` computes the all-reduce figures, and the tests
+    run this function with a profiler hook and fail it if any function of the `ddpcourse` package
+    runs during the call, however it was imported.
+
+    Args:
+        collective: exactly one of the six names in the table.
+        nbytes: `S`, as the table says for `collective`; `nbytes = 0` is allowed (0 GB/s).
+        seconds: `t`, how long the collective took; positive.
+        world_size: `n`, the number of ranks; at least 1.
+
+    Returns:
+        `(algbw, busbw)`, a tuple of two floats in GB/s = 10^9 bytes/s (not GiB/s). Values are
+        compared with a relative tolerance of 1e-9.
+
+    Raises:
+        ValueError: for any other `collective` name, `world_size < 1`, `seconds <= 0` or
+            `nbytes < 0`.
+    """
     ### BEGIN SOLUTION
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, not {world_size}")
@@ -134,29 +149,38 @@ print("passed")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-all-reduce-self-test", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## 2. `all_reduce_self_test() -> bool` (4 points)
 #
-# Called on **every rank** of an initialised process group (the default group). Do one real
-# all-reduce (SUM) with `dist.all_reduce` of a tensor whose correct sum this rank can compute by
-# itself, and return `True` if and only if **this rank's** result is exactly right (a Python
-# `bool`, not a tensor). Decide from your own rank's result only: do not ask the other ranks.
+# The article's check prints `OK` whatever happens. This one runs a real all-reduce and checks its
+# result, so that a broken all-reduce shows: implement `all_reduce_self_test` as its docstring below
+# says. The tests break the all-reduce in several ways and expect your function to notice each
+# time. A health check that cannot fail is useless.
 #
-# * Use values that differ **per rank and per element**, over several elements, so that a missing
-#   rank, a shifted or a half-wrong result changes something you look at. (The popular
-#   `ones * rank` lets rank 0 contribute zeros, so a rank 0 that sends nothing goes unnoticed.)
-#   Integers or exactly representable floats make "exactly right" exact.
-# * With a world size below 2, raise `ValueError`: the all-reduce would test nothing.
-# * Print at most one line per rank, and leave the group usable (the tests run a real all-reduce
-#   after yours).
-#
-# **How it is tested.** On 2, 3 and 4 ranks it must return `True` everywhere. Then the tests
-# corrupt the all-reduce *inside the ranks* (whichever way you call it) after the real one has run:
-# it does nothing, averages instead of sums, is wrong on one rank only, is wrong in the last
-# element only, leaves out rank 0's contribution, or delivers the right values one position off.
-# Your function must return `False` on exactly the ranks whose result was damaged, `True` on the
-# others. A health check that cannot fail is useless.
+# Hint: integers or exactly representable floats make "exactly right" exact.
 
 # %% nbgrader={"grade": false, "grade_id": "all-reduce-self-test", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def all_reduce_self_test() -> bool:
-    """All-reduce a known pattern; True iff this rank's result is exactly the expected sum."""
+    """All-reduce a known pattern; True iff this rank's result is exactly the expected sum.
+
+    Called on every rank of an initialised process group (the default group). Do one real
+    all-reduce (SUM) with `dist.all_reduce` of a tensor whose correct sum this rank can compute by
+    itself, and decide from this rank's result only: do not ask the other ranks.
+
+    * Use values that differ per rank and per element, over several elements, so that a missing
+      rank, a shifted or a half-wrong result changes something you look at. (The popular
+      `ones * rank` lets rank 0 contribute zeros, so a rank 0 that sends nothing goes unnoticed.)
+    * Print at most one line per rank, and leave the group usable (the tests run a real all-reduce
+      after yours).
+
+    Returns:
+        A Python `bool`, not a tensor: `True` if and only if this rank's result is exactly right.
+        On 2, 3 and 4 ranks it must be `True` everywhere. When the tests corrupt the all-reduce
+        inside the ranks (whichever way you call it) after the real one has run - it does nothing,
+        averages instead of sums, is wrong on one rank only, is wrong in the last element only,
+        leaves out rank 0's contribution, or delivers the right values one position off - it must
+        be `False` on exactly the ranks whose result was damaged, `True` on the others.
+
+    Raises:
+        ValueError: with a world size below 2: the all-reduce would test nothing.
+    """
     ### BEGIN SOLUTION
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size < 2:

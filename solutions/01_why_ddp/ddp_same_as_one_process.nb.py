@@ -49,37 +49,57 @@ setup_notebook("ddp_same_as_one_process")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-train-with-ddp", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## `train_with_ddp(model, x, y, steps, lr) -> model` (6 points)
 #
-# Called on every rank. Every rank gets **the same** global batch `x` (rows are samples) and `y`,
-# and **its own** `model` instance: the tests initialise them **differently on every rank**, so
-# only rank 0's initial weights may count (DDP's constructor takes care of that).
+# The training loop of the claim above, on N ranks. Implement `train_with_ddp` as its docstring
+# below says: what each rank trains on, with which optimizer and loss, what it returns, and what the
+# tests compare it with.
 #
-# 1. If `len(x)` does not divide by the world size `N`, raise `ValueError` (no equal shares).
-# 2. Wrap `model` in `DistributedDataParallel` (on CPU without `device_ids`).
-# 3. Take this rank's share: `len(x) / N` rows of `x` and the matching rows of `y`. Any split into
-#    equal shares is fine (a contiguous slice per rank is simplest), as long as at every step the
-#    N shares together are all rows of `x`, each exactly once.
-# 4. Run `steps` steps of plain `torch.optim.SGD(..., lr=lr)` (no momentum, no weight decay) on
-#    the mean-squared error with **mean** reduction (`nn.functional.mse_loss(out, y_share)`):
-#    `zero_grad`, one forward of the DDP model on the share, `backward`, `step`. Exactly one
-#    forward per step: no extra passes, e.g. for logging.
-# 5. Return `model` itself, trained (DDP trains the module it wraps in place). **Not** the DDP
-#    wrapper: it is for training only, its `state_dict()` keys start with `module.` and do not
-#    load into a plain model, so the tests reject it. Not a new or copied model either.
-#
-# **What the tests check** on every rank, with a forward pre-hook on the `model` they hand in:
-# the model's forward ran `steps` times, each on this rank's `len(x) / N` rows (so "every rank
-# trains on the whole batch", which gives the right weights at N times the work, fails); the
-# ranks' shares at each step are the rows of `x`, each once; all ranks end with bit-identical
-# parameters and buffers; and these equal one process training rank 0's initial model on the
-# **full** batch with the same SGD, to `1e-5 + 1e-5 * |w|`. Why not exactly: the all-reduce adds
-# the shards' gradients in a different order than one process adds the rows', and float32
-# addition is not associative; measured, the difference stays below 1e-7, while one step too few
-# moves some weight by ~1e-2.
+# Why the comparison with one process has a tolerance, not exact equality: the all-reduce adds the
+# shards' gradients in a different order than one process adds the rows', and float32 addition is
+# not associative; measured, the difference stays below 1e-7, while one step too few moves some
+# weight by ~1e-2.
 
 # %% nbgrader={"grade": false, "grade_id": "train-with-ddp", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def train_with_ddp(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
                    lr: float) -> nn.Module:
-    """Train `model` with DDP on this rank's equal share of (x, y); return the module."""
+    """Train `model` with DDP on this rank's equal share of (x, y); return the module.
+
+    Called on every rank. Every rank gets the same global batch `x` (rows are samples) and `y`, and
+    its own `model` instance: the tests initialise them differently on every rank, so only rank 0's
+    initial weights may count (DDP's constructor takes care of that).
+
+    1. If `len(x)` does not divide by the world size `N`, raise `ValueError` (no equal shares).
+    2. Wrap `model` in `DistributedDataParallel` (on CPU without `device_ids`).
+    3. Take this rank's share: `len(x) / N` rows of `x` and the matching rows of `y`. Any split into
+       equal shares is fine (a contiguous slice per rank is simplest), as long as at every step the
+       N shares together are all rows of `x`, each exactly once.
+    4. Run `steps` steps of plain `torch.optim.SGD(..., lr=lr)` (no momentum, no weight decay) on
+       the mean-squared error with mean reduction (`nn.functional.mse_loss(out, y_share)`):
+       `zero_grad`, one forward of the DDP model on the share, `backward`, `step`. Exactly one
+       forward per step: no extra passes, e.g. for logging.
+    5. Return `model` itself, trained (DDP trains the module it wraps in place).
+
+    Args:
+        model: this rank's model, initialised differently on every rank.
+        x: the global batch, the same on every rank; rows are samples.
+        y: the targets of the rows of `x`, the same on every rank.
+        steps: the number of SGD steps.
+        lr: SGD's learning rate.
+
+    Returns:
+        The `model` that was handed in, trained. Not the DDP wrapper: it is for training only, its
+        `state_dict()` keys start with `module.` and do not load into a plain model, so the tests
+        reject it. Not a new or copied model either.
+
+    Raises:
+        ValueError: if `len(x)` does not divide by the world size.
+
+    What the tests check on every rank, with a forward pre-hook on the `model` they hand in: the
+    model's forward ran `steps` times, each on this rank's `len(x) / N` rows (so "every rank
+    trains on the whole batch", which gives the right weights at N times the work, fails); the
+    ranks' shares at each step are the rows of `x`, each once; all ranks end with bit-identical
+    parameters and buffers; and these equal one process training rank 0's initial model on the
+    full batch with the same SGD, to `1e-5 + 1e-5 * |w|`.
+    """
     ### BEGIN SOLUTION
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if len(x) % world_size:

@@ -43,38 +43,9 @@ setup_notebook("memory_per_rank")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-bytes-per-rank", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## `bytes_per_rank(model, world_size, rank, strategy) -> dict` (7 points)
 #
-# Return `{"params": int, "grads": int, "adam_state": int}`: the bytes that rank `rank` of a job of
-# `world_size` ranks holds **after one `torch.optim.Adam` step** (default settings, on the CPU) when
-# `model` is trained under `strategy`:
-#
-# * `"ddp"`: `DistributedDataParallel(model)`. Every rank holds the full parameters, the full
-#   gradients and the full Adam state. DDP's gradient **bucket buffers are not counted** here
-#   (chapter 02 shows them: by default as large as the gradients).
-# * `"fsdp"`: FSDP2, `fully_shard(layer)` on every layer that has parameters, then
-#   `fully_shard(model)`, as chapter 02 does. Every parameter is split along **dim 0 like
-#   `torch.chunk(p, world_size, dim=0)`**; rank `r` holds chunk `r`, and an **empty** shard when
-#   there are fewer chunks than ranks. For example 7 rows over 3 ranks are 3 + 3 + 1 rows; 2 rows
-#   over 3 ranks are 1 + 1 + 0; 5 rows over 4 ranks are 2 + 2 + 1 + 0 (`torch.chunk` gives only
-#   3 chunks). A shard of a `(rows, cols)` weight has `shard_rows * cols` elements.
-#
-# What counts, for each parameter `p` (bytes = elements x `p.element_size()`):
-#
-# * `params`: **every** parameter, also those with `requires_grad=False` (FSDP2 shards them too).
-# * `grads`: the gradient of every parameter with `requires_grad=True`: as large as the parameter
-#   (DDP) or as its shard (FSDP2). Frozen parameters get **no** gradient.
-# * `adam_state`: for every parameter that got a gradient, Adam keeps `exp_avg` and `exp_avg_sq`,
-#   each as large as the parameter (DDP) or its shard (FSDP2), **plus a `step` counter: a 0-d
-#   float32 tensor of 4 bytes**, one per parameter, whatever the parameter's dtype and also for a
-#   rank whose shard is empty. Frozen parameters get no Adam state.
-#
-# Under FSDP2 a DTensor's local shard is what the rank owns: `p.to_local()`. FSDP2 stores it in a
-# buffer padded to `ceil(rows / world_size)` rows; **that padding is not counted** (the tests count
-# `p.to_local().numel() * p.element_size()`, and the same for gradients and Adam's tensors).
-#
-# Raise `ValueError` for a `strategy` other than `"ddp"` / `"fsdp"` and for a `rank` outside
-# `[0, world_size)`. Use only the model's parameters (shapes, dtypes, `requires_grad`): no process
-# group exists when the tests call your function. Values are
-# Python `int`s and must match the measurement **exactly** (bytes are integers, no tolerance).
+# Chapter 02's table, as a function: implement `bytes_per_rank` as its docstring below says. It
+# spells out what each strategy keeps on a rank, how FSDP2 splits a parameter, what counts as a
+# parameter's gradient and Adam state, and what raises `ValueError`.
 #
 # Where the facts come from (PyTorch v2.13.0): FSDP2 chunks each parameter with
 # [`torch.chunk` padded with empty chunks](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/fsdp/_fully_shard/_fsdp_common.py#L134-L140)
@@ -87,7 +58,52 @@ setup_notebook("memory_per_rank")
 
 # %% nbgrader={"grade": false, "grade_id": "bytes-per-rank", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def bytes_per_rank(model: nn.Module, world_size: int, rank: int, strategy: str) -> dict[str, int]:
-    """Bytes of parameters, gradients and Adam state rank `rank` holds after one Adam step."""
+    """Bytes of parameters, gradients and Adam state rank `rank` holds after one Adam step.
+
+    The bytes that rank `rank` of a job of `world_size` ranks holds after one `torch.optim.Adam`
+    step (default settings, on the CPU) when `model` is trained under `strategy`:
+
+    * `"ddp"`: `DistributedDataParallel(model)`. Every rank holds the full parameters, the full
+      gradients and the full Adam state. DDP's gradient bucket buffers are not counted here
+      (chapter 02 shows them: by default as large as the gradients).
+    * `"fsdp"`: FSDP2, `fully_shard(layer)` on every layer that has parameters, then
+      `fully_shard(model)`, as chapter 02 does. Every parameter is split along dim 0 like
+      `torch.chunk(p, world_size, dim=0)`; rank `r` holds chunk `r`, and an empty shard when there
+      are fewer chunks than ranks. For example 7 rows over 3 ranks are 3 + 3 + 1 rows; 2 rows over
+      3 ranks are 1 + 1 + 0; 5 rows over 4 ranks are 2 + 2 + 1 + 0 (`torch.chunk` gives only
+      3 chunks). A shard of a `(rows, cols)` weight has `shard_rows * cols` elements.
+
+    What counts, for each parameter `p` (bytes = elements x `p.element_size()`):
+
+    * `params`: every parameter, also those with `requires_grad=False` (FSDP2 shards them too).
+    * `grads`: the gradient of every parameter with `requires_grad=True`: as large as the parameter
+      (DDP) or as its shard (FSDP2). Frozen parameters get no gradient.
+    * `adam_state`: for every parameter that got a gradient, Adam keeps `exp_avg` and `exp_avg_sq`,
+      each as large as the parameter (DDP) or its shard (FSDP2), plus a `step` counter: a 0-d
+      float32 tensor of 4 bytes, one per parameter, whatever the parameter's dtype and also for a
+      rank whose shard is empty. Frozen parameters get no Adam state.
+
+    Under FSDP2 a DTensor's local shard is what the rank owns: `p.to_local()`. FSDP2 stores it in a
+    buffer padded to `ceil(rows / world_size)` rows; that padding is not counted (the tests count
+    `p.to_local().numel() * p.element_size()`, and the same for gradients and Adam's tensors).
+
+    Use only the model's parameters (shapes, dtypes, `requires_grad`): no process group exists when
+    the tests call this function.
+
+    Args:
+        model: the model to be trained; only its parameters are read.
+        world_size: the number of ranks of the job.
+        rank: the rank whose bytes to return, in `[0, world_size)`.
+        strategy: `"ddp"` or `"fsdp"`.
+
+    Returns:
+        `{"params": int, "grads": int, "adam_state": int}`. Values are Python `int`s and must match
+        the measurement exactly (bytes are integers, no tolerance).
+
+    Raises:
+        ValueError: for a `strategy` other than `"ddp"` / `"fsdp"` and for a `rank` outside
+            `[0, world_size)`.
+    """
     ### BEGIN SOLUTION
     if strategy not in ("ddp", "fsdp"):
         raise ValueError(f"unknown strategy {strategy!r}: use 'ddp' or 'fsdp'")

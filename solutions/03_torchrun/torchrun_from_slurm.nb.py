@@ -43,42 +43,18 @@ setup_notebook("torchrun_from_slurm")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-torchrun-argv", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## `torchrun_argv_from_slurm(env, script, port=29500) -> list[str]` (8 points)
 #
-# `env` is any `Mapping[str, str]` holding the variables of **one Slurm task per node** (use only
-# `env`, not `os.environ`, and no `scontrol`). Return the static multi-node torchrun command of this
-# node, every element a `str`:
-#
-# ```
-# ["torchrun", "--nnodes", N, "--node-rank", NODEID, "--nproc-per-node", NPROC,
-#  "--master-addr", HEAD, "--master-port", str(port), script]
-# ```
-#
-# * `N` = `SLURM_NNODES`; `NODEID` = `SLURM_NODEID` (the node's index; not `SLURM_PROCID`, the
-#   task's, which the tests may set to something else);
-# * `NPROC` = `SLURM_GPUS_ON_NODE` if it is set, else `"1"`;
-# * `HEAD` = the **first host** of `SLURM_JOB_NODELIST`, which Slurm writes compressed. Items are
-#   separated by commas outside brackets; an item is a host name, or a prefix, one bracket group of
-#   comma-separated numbers and `lo-hi` ranges, and an optional suffix. The first host is the first
-#   item with the first number listed in its brackets, **zero padding kept**:
-#   `gpu07` -> `gpu07`, `n1,n2` -> `n1`, `gpu[07-09,12]` -> `gpu07`,
-#   `node-[003-004],login1` -> `node-003`, `a[3,1-2]` -> `a3`, `gpu[01-02]-ib` -> `gpu01-ib`.
-#   Expand it yourself (`scontrol show hostnames` does it in the sbatch script).
-#
-# Raise `ValueError` whose message **names every missing variable** among `SLURM_NNODES`,
-# `SLURM_NODEID`, `SLURM_JOB_NODELIST`, and a `ValueError` naming `SLURM_NODEID` when the node id is
-# not in `[0, N)`.
+# The command of `slurm_torchrun.sbatch`, as a function: implement `torchrun_argv_from_slurm` as its
+# docstring below says. It spells out the command, which Slurm variable gives each value, how to
+# find the head node in Slurm's compressed hostlist, and what raises `ValueError`.
 #
 # How it is tested:
 #
-# 1. Your list is parsed by torchrun's own parser, `torch.distributed.run.parse_args(argv[1:])`
-#    (the setup cell imports it as `torchrun_parse_args`; try it), and each value it reads
-#    (`nnodes`, `node_rank`, `nproc_per_node`, `master_addr`, `master_port`, `training_script`, no
-#    script arguments, static rendezvous) must equal what Slurm's variables say. So spellings that
-#    torchrun reads the same way (`--node_rank`, `--nnodes=2`) pass; `argv[0]` must be `"torchrun"`.
+# 1. Your list is read back by torchrun's own parser, `torch.distributed.run.parse_args(argv[1:])`.
+#    The setup cell imports it as `torchrun_parse_args`: try it on your command.
 # 2. A **real launch**: your function builds the commands of two fake nodes (`SLURM_NODEID` 0 and 1,
 #    a `SLURM_JOB_NODELIST` that names this machine first, a free port chosen by the test); both run
 #    at once with `python -m torch.distributed.run` in place of `torchrun`, on a tiny worker of the
-#    test's own that all-reduces the ranks; both must exit with code 0 and every worker must see one
-#    group of `N x NPROC` processes. A command whose nodes would not dial the head node's
+#    test's own that all-reduces the ranks. A command whose nodes would not dial the head node's
 #    `HEAD:port` is not launched as a pair: its node 1 is launched alone, as on its own machine, and
 #    the test reports how it waited for a store nobody hosts (a short rendezvous timeout ends that
 #    wait after a few seconds). Every launch has a hard deadline that kills all its processes.
@@ -90,7 +66,43 @@ setup_notebook("torchrun_from_slurm")
 
 # %% nbgrader={"grade": false, "grade_id": "torchrun-argv", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def torchrun_argv_from_slurm(env: Mapping[str, str], script: str, port: int = 29500) -> list[str]:
-    """This node's static multi-node torchrun command, from one Slurm task per node."""
+    """This node's static multi-node torchrun command, from one Slurm task per node.
+
+    Returns this node's command, every element a `str`:
+
+        ["torchrun", "--nnodes", N, "--node-rank", NODEID, "--nproc-per-node", NPROC,
+         "--master-addr", HEAD, "--master-port", str(port), script]
+
+    * `N` = `SLURM_NNODES`; `NODEID` = `SLURM_NODEID` (the node's index; not `SLURM_PROCID`, the
+      task's, which the tests may set to something else);
+    * `NPROC` = `SLURM_GPUS_ON_NODE` if it is set, else `"1"`;
+    * `HEAD` = the first host of `SLURM_JOB_NODELIST`, which Slurm writes compressed. Items are
+      separated by commas outside brackets; an item is a host name, or a prefix, one bracket group
+      of comma-separated numbers and `lo-hi` ranges, and an optional suffix. The first host is the
+      first item with the first number listed in its brackets, zero padding kept:
+      `gpu07` -> `gpu07`, `n1,n2` -> `n1`, `gpu[07-09,12]` -> `gpu07`,
+      `node-[003-004],login1` -> `node-003`, `a[3,1-2]` -> `a3`, `gpu[01-02]-ib` -> `gpu01-ib`.
+      Expand it yourself (`scontrol show hostnames` does it in the sbatch script).
+
+    Other spellings that torchrun reads the same way (`--node_rank`, `--nnodes=2`) pass: the
+    tests parse the list with torchrun's own parser, `torch.distributed.run.parse_args(argv[1:])`,
+    and each value it reads (`nnodes`, `node_rank`, `nproc_per_node`, `master_addr`,
+    `master_port`, `training_script`, no script arguments, static rendezvous) must equal what
+    Slurm's variables say; `argv[0]` must be `"torchrun"`. Launched for real, the commands of two
+    nodes must both exit with code 0, and every worker must see one group of `N x NPROC`
+    processes.
+
+    Args:
+        env: any `Mapping[str, str]` holding the variables of one Slurm task per node. Use only
+            `env`, not `os.environ`, and no `scontrol`.
+        script: the training script, the command's last element.
+        port: the head node's port, for `--master-port`.
+
+    Raises:
+        ValueError: whose message names every missing variable among `SLURM_NNODES`,
+            `SLURM_NODEID`, `SLURM_JOB_NODELIST`.
+        ValueError: naming `SLURM_NODEID`, when the node id is not in `[0, N)`.
+    """
     ### BEGIN SOLUTION
     required = ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST")
     missing = [name for name in required if name not in env]

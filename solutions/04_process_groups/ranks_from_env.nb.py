@@ -43,22 +43,39 @@ setup_notebook("ranks_from_env")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-ranks-from-env", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## `ranks_from_env(env) -> (rank, local_rank, world_size)` (6 points)
 #
-# `env` is any `Mapping[str, str]` (`os.environ`, a dict, ...). Return three `int`s:
+# Write the function every script of a distributed job needs first: it reads the launcher's
+# variables, whichever launcher started the process, and refuses to guess when they do not add up,
+# so that the source article's "every process is rank 0" cannot happen silently.
 #
-# 1. If **any** of torchrun's `RANK`, `LOCAL_RANK`, `WORLD_SIZE` is set, use torchrun's: all three
-#    must be set (under `torchrun` they always are; half of them means something is broken, so do not
-#    fall back to SLURM).
-# 2. Otherwise, if any of `SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NTASKS` is set, use those, and all
-#    three must be set.
-# 3. Otherwise, and whenever a required variable is missing, raise `ValueError` whose message
-#    **names every missing variable** (for an environment with neither, all six).
-#
-# Values must be integers with `0 <= local_rank`, `0 <= rank < world_size`; anything else is a
-# `ValueError` that names the offending variable. Never return a default such as rank 0.
+# Implement `ranks_from_env` as its docstring below says: which variables it reads, in what order of
+# preference, and when it raises `ValueError` instead.
 
 # %% nbgrader={"grade": false, "grade_id": "ranks-from-env", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def ranks_from_env(env: Mapping[str, str]) -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torchrun's or SLURM's variables; ValueError if unsure."""
+    """(rank, local_rank, world_size) from torchrun's or SLURM's variables; ValueError if unsure.
+
+    1. If any of torchrun's `RANK`, `LOCAL_RANK`, `WORLD_SIZE` is set, use torchrun's: all three
+       must be set (under `torchrun` they always are; half of them means something is broken, so do
+       not fall back to SLURM).
+    2. Otherwise, if any of `SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NTASKS` is set, use those, and
+       all three must be set.
+    3. Otherwise, and whenever a required variable is missing, raise `ValueError`.
+
+    Never return a default such as rank 0.
+
+    Args:
+        env: any `Mapping[str, str]` (`os.environ`, a dict, ...).
+
+    Returns:
+        Three `int`s, `(rank, local_rank, world_size)`, with `0 <= local_rank` and
+        `0 <= rank < world_size`.
+
+    Raises:
+        ValueError: when a required variable is missing; the message names every missing variable
+            (for an environment with neither launcher's variables, all six).
+        ValueError: when a value is not an integer, or breaks `0 <= local_rank` or
+            `0 <= rank < world_size`; the message names the offending variable.
+    """
     ### BEGIN SOLUTION
     torchrun = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     slurm = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")

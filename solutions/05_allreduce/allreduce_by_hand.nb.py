@@ -47,14 +47,26 @@ setup_notebook("allreduce_by_hand")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-average-gradients", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## 1. `average_gradients(model)` (4 points)
 #
-# After `loss.backward()`, each rank holds gradients computed from *its own* data. Replace every
-# parameter's `.grad` by its **mean over all ranks**, in place (`-> None`). Parameters whose `.grad`
-# is `None` (frozen, or not used in this step) are skipped and must stay `None`. A weight shared by
-# two layers appears once in `model.parameters()`: average it once. You may use `dist.all_reduce`.
+# After `loss.backward()`, each rank holds gradients computed from *its own* data. Averaging them
+# over all ranks is DDP's gradient synchronisation in its simplest form (part 2, `bucketed_ddp`,
+# builds the real one). Implement `average_gradients` as its docstring below says.
 
 # %% nbgrader={"grade": false, "grade_id": "average-gradients", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def average_gradients(model: torch.nn.Module) -> None:
-    """Replace each parameter's .grad with its mean over all ranks (skip .grad None)."""
+    """Replace each parameter's .grad with its mean over all ranks (skip .grad None).
+
+    Called after `loss.backward()`, when each rank holds gradients computed from its own data.
+    Replace every parameter's `.grad` by its mean over all ranks, in place. Parameters whose
+    `.grad` is `None` (frozen, or not used in this step) are skipped and must stay `None`. A weight
+    shared by two layers appears once in `model.parameters()`: average it once. You may use
+    `dist.all_reduce`.
+
+    Args:
+        model: this rank's model, after `backward()`.
+
+    Returns:
+        None: the gradients change in place.
+    """
     ### BEGIN SOLUTION
     world_size = dist.get_world_size()
     for parameter in model.parameters():
@@ -106,20 +118,9 @@ print("passed")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-ring-allreduce", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## 2. `ring_allreduce(tensor)` (9 points)
 #
-# Implement an in-place **SUM** all-reduce over the default group, as a ring, using **only
-# point-to-point calls**: `dist.send`, `dist.recv`, `dist.isend`, `dist.irecv` (or
-# `dist.batch_isend_irecv`). No collective of any kind (`all_reduce`, `reduce_scatter`,
-# `all_gather`, `broadcast`, `barrier`, ...): the tests record every communication call your ranks
-# make.
-#
-# Requirements the tests check:
-# * correct for world sizes 1 to 4, any number of elements (also fewer elements than ranks, and
-#   lengths that do not divide by the world size), any shape (the tensor is contiguous), and
-#   `float32`, `float64` and `int64`;
-# * in place: after the call, `tensor` itself holds the sum (return `None`);
-# * **bandwidth-optimal**: each rank sends about `2(N-1)/N` of the tensor's bytes - split the
-#   tensor into N chunks, reduce-scatter them around the ring (N-1 steps), then all-gather them
-#   (N-1 more steps). Sending the whole tensor to every peer moves `N/2` times more data and fails.
+# Now the all-reduce itself, built from point-to-point messages around a ring of ranks: implement
+# `ring_allreduce` as its docstring below says. It lists the calls you may use, the cases it must
+# handle, and how little each rank may send.
 #
 # Hint: `tensor.view(-1).tensor_split(N)` gives N views that write through to `tensor`. In each step,
 # post the send to your right neighbour with `dist.isend` *before* the blocking `dist.recv` from
@@ -127,7 +128,30 @@ print("passed")
 
 # %% nbgrader={"grade": false, "grade_id": "ring-allreduce", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def ring_allreduce(tensor: torch.Tensor) -> None:
-    """In-place SUM all-reduce over the default group with send/recv only."""
+    """In-place SUM all-reduce over the default group with send/recv only.
+
+    An in-place SUM all-reduce of `tensor` over the default group, as a ring, using only
+    point-to-point calls: `dist.send`, `dist.recv`, `dist.isend`, `dist.irecv` (or
+    `dist.batch_isend_irecv`). No collective of any kind (`all_reduce`, `reduce_scatter`,
+    `all_gather`, `broadcast`, `barrier`, ...): the tests record every communication call your ranks
+    make.
+
+    Requirements the tests check:
+
+    * correct for world sizes 1 to 4, any number of elements (also fewer elements than ranks, and
+      lengths that do not divide by the world size), any shape (the tensor is contiguous), and
+      `float32`, `float64` and `int64`;
+    * in place: after the call, `tensor` itself holds the sum;
+    * bandwidth-optimal: each rank sends about `2(N-1)/N` of the tensor's bytes - split the tensor
+      into N chunks, reduce-scatter them around the ring (N-1 steps), then all-gather them (N-1 more
+      steps). Sending the whole tensor to every peer moves `N/2` times more data and fails.
+
+    Args:
+        tensor: this rank's contribution, contiguous; it receives the sum.
+
+    Returns:
+        None: `tensor` itself holds the sum.
+    """
     ### BEGIN SOLUTION
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if world_size == 1:

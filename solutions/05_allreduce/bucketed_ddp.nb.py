@@ -47,16 +47,27 @@ setup_notebook("bucketed_ddp")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-broadcast-parameters", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## 3. `broadcast_parameters(module)` (3 points)
 #
-# Make every parameter **and buffer** of `module` equal to rank 0's, **in place** (the tensors keep
-# their storage: an optimizer created before the call must see the new values), on every rank of the
-# default group; return `None`. Frozen parameters (`requires_grad=False`) and integer buffers (such as
-# BatchNorm's `num_batches_tracked`) are included; a weight shared by two layers is one tensor. Do not
-# create gradients. The tests seed every rank differently and compare with rank 0's initial values,
-# exactly.
+# What DDP's constructor does first (see above): every rank starts from rank 0's model. Implement
+# `broadcast_parameters` as its docstring below says.
 
 # %% nbgrader={"grade": false, "grade_id": "broadcast-parameters", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def broadcast_parameters(module: torch.nn.Module) -> None:
-    """Give every parameter and buffer rank 0's value, in place."""
+    """Give every parameter and buffer rank 0's value, in place.
+
+    Make every parameter and buffer of `module` equal to rank 0's, on every rank of the default
+    group. In place: the tensors keep their storage, so an optimizer created before the call must
+    see the new values. Frozen parameters (`requires_grad=False`) and integer buffers (such as
+    BatchNorm's `num_batches_tracked`) are included; a weight shared by two layers is one tensor.
+    Do not create gradients.
+
+    The tests seed every rank differently and compare with rank 0's initial values, exactly.
+
+    Args:
+        module: this rank's module.
+
+    Returns:
+        None.
+    """
     ### BEGIN SOLUTION
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
@@ -104,42 +115,53 @@ print("passed")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-bucketed-ddp", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## 4. `class BucketedDDP(torch.nn.Module)` (10 points)
 #
-# ```python
-# BucketedDDP(module, bucket_cap_mb: float)      # wraps module; module keeps its parameters
-# wrapped(*args, **kwargs)                       # = module(*args, **kwargs)
-# wrapped.finish_gradient_synchronization()      # after loss.backward(), before optimizer.step()
-# ```
+# Your own DDP, with both of the introduction's improvements: buckets, and all-reduces that overlap
+# backward. Implement `BucketedDDP` as the docstrings below say: the class's (how it is used, what
+# happens during `backward()`, what the tests check), `__init__`'s (the buckets) and
+# `finish_gradient_synchronization`'s (the end of a step).
 #
-# 1. **Construction**: call `broadcast_parameters(module)`. Then put the parameters that require
-#    gradients into buckets, walking `module.parameters()` in **reverse** order: add parameters to
-#    the current bucket until the next one would take it over `bucket_cap_mb` MiB
-#    (`bucket_cap_mb * 1024 * 1024` bytes, as DDP counts), then start a new bucket. A parameter larger
-#    than the cap gets a bucket of its own (so a tiny cap means one parameter per bucket). All of a
-#    model's parameters have one dtype.
-# 2. **During `backward()`**: when the last gradient of a bucket has been accumulated (see
-#    `Tensor.register_post_accumulate_grad_hook`), flatten the bucket's gradients into one tensor and
-#    start `dist.all_reduce(flat, async_op=True)` on it, right there: **one all-reduce per bucket**,
-#    while autograd goes on with earlier layers.
-# 3. **`finish_gradient_synchronization()`**: all-reduce the buckets that never became complete
-#    (a parameter got no gradient in this step: its `.grad` stays `None`; the bucket's other
-#    gradients are still averaged; a bucket with no gradient at all is skipped), wait for every
-#    all-reduce, and write the **mean over ranks** back into each `.grad`. Return `None`, and be ready
-#    for the next step (`optimizer.zero_grad(set_to_none=True)` runs between steps).
-#
-# The tests train your wrapper for a few SGD steps and compare with **one process** training rank 0's
-# model on all ranks' data at once (tolerance `rtol=1e-5, atol=1e-6` in float32: the two differ only
-# in the order float sums are taken, a few units in the last place per step; a wrong average, such as
-# a sum, is off by more than 1e-2 somewhere). They record your all-reduce calls (their number and
-# sizes must match the buckets) and how many had started when backward reached the model's input: by
-# then every bucket that holds no first-layer parameter is complete, so its all-reduce must already
-# be on its way.
-# The tests use models with frozen parameters, unused layers and a weight shared by two layers.
+# Why the comparison with one process has a tolerance: the two differ only in the order float sums
+# are taken, a few units in the last place per step; a wrong average, such as a sum, is off by more
+# than 1e-2 somewhere.
 
 # %% nbgrader={"grade": false, "grade_id": "bucketed-ddp", "locked": false, "schema_version": 3, "solution": true, "task": false}
 class BucketedDDP(torch.nn.Module):
-    """Gradient averaging in buckets, each all-reduced as soon as backward has filled it."""
+    """Gradient averaging in buckets, each all-reduced as soon as backward has filled it.
+
+    Usage:
+
+        wrapped = BucketedDDP(module, bucket_cap_mb)  # wraps module; module keeps its parameters
+        wrapped(*args, **kwargs)                      # = module(*args, **kwargs)
+        wrapped.finish_gradient_synchronization()     # after loss.backward(),
+                                                      # before optimizer.step()
+
+    During `backward()`: when the last gradient of a bucket has been accumulated (see
+    `Tensor.register_post_accumulate_grad_hook`), flatten the bucket's gradients into one tensor
+    and start `dist.all_reduce(flat, async_op=True)` on it, right there: one all-reduce per
+    bucket, while autograd goes on with earlier layers.
+
+    What the tests check: they train the wrapper for a few SGD steps and compare with one process
+    training rank 0's model on all ranks' data at once (tolerance `rtol=1e-5, atol=1e-6` in
+    float32). They record your all-reduce calls (their number and sizes must match the buckets) and
+    how many had started when backward reached the model's input: by then every bucket that holds no
+    first-layer parameter is complete, so its all-reduce must already be on its way. The tests use
+    models with frozen parameters, unused layers and a weight shared by two layers.
+    """
 
     def __init__(self, module: torch.nn.Module, bucket_cap_mb: float):
+        """Wrap `module`: broadcast rank 0's state, then put the parameters into buckets.
+
+        First call `broadcast_parameters(module)`. Then put the parameters that require
+        gradients into buckets, walking `module.parameters()` in reverse order: add parameters
+        to the current bucket until the next one would take it over `bucket_cap_mb` MiB
+        (`bucket_cap_mb * 1024 * 1024` bytes, as DDP counts), then start a new bucket. A
+        parameter larger than the cap gets a bucket of its own (so a tiny cap means one
+        parameter per bucket). All of a model's parameters have one dtype.
+
+        Args:
+            module: the model to wrap; it keeps its parameters.
+            bucket_cap_mb: the most a bucket may hold, in MiB.
+        """
         super().__init__()
         self.module = module
         ### BEGIN SOLUTION
@@ -183,6 +205,17 @@ class BucketedDDP(torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def finish_gradient_synchronization(self) -> None:
+        """After `loss.backward()`, before `optimizer.step()`: every `.grad` becomes its mean.
+
+        All-reduce the buckets that never became complete (a parameter got no gradient in this
+        step: its `.grad` stays `None`; the bucket's other gradients are still averaged; a bucket
+        with no gradient at all is skipped), wait for every all-reduce, and write the mean over
+        ranks back into each `.grad`. Then be ready for the next step
+        (`optimizer.zero_grad(set_to_none=True)` runs between steps).
+
+        Returns:
+            None.
+        """
         ### BEGIN SOLUTION
         for index in range(len(self.buckets)):
             if index not in self._in_flight:

@@ -45,46 +45,63 @@ setup_notebook("sampler_by_hand")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-shard-indices", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## `shard_indices(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0, drop_last=False) -> list[int]` (6 points)
 #
-# Return, in order, exactly the indices that
-# `DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)` yields after
-# `set_epoch(epoch)` for a dataset with `dataset_len` samples. What the sampler does (read it in
-# [torch/utils/data/distributed.py](https://github.com/pytorch/pytorch/blob/main/torch/utils/data/distributed.py),
-# torch 2.13):
-#
-# 1. **Order.** With `shuffle`, the order is a random permutation of `0 .. dataset_len-1` drawn by
-#    `torch.randperm` from a fresh `torch.Generator` seeded with `seed + epoch`. Every rank seeds
-#    it the same way, so every rank computes the same permutation, and a new epoch gives a new one
-#    (that is all `set_epoch` does). Without `shuffle`, the order is `0, 1, ..., dataset_len-1`.
-# 2. **Length.** Each rank gets `num_samples` indices, the same number on every rank:
-#    * without `drop_last`: `ceil(dataset_len / num_replicas)`. The list is **padded** up to
-#      `num_samples * num_replicas` by appending indices **from its start again** (the first ones
-#      of the shuffled order, not index 0 and not the last index), as many passes over the list as
-#      needed: a dataset smaller than `num_replicas` is repeated several times;
-#    * with `drop_last`, when `dataset_len` is not a multiple of `num_replicas`:
-#      `ceil((dataset_len - num_replicas) / num_replicas)`, which is `dataset_len // num_replicas`
-#      (0 when the dataset is smaller than the world). The tail of the ordered list beyond
-#      `num_samples * num_replicas` is **dropped**. (A multiple of `num_replicas` loses nothing.)
-# 3. **Share.** Rank `r` takes every `num_replicas`-th index of that list starting at position `r`
-#    (strided, *not* a contiguous block).
-#
-# An empty dataset (`dataset_len = 0`) gives `[]` on every rank. Raise `ValueError` when `rank` is
-# not in `[0, num_replicas)`, as the sampler does; since no rank can satisfy that when
-# `num_replicas < 1`, that is a `ValueError` too. Return a `list` of Python `int`s (`.tolist()`
-# gives them); the comparison is exact.
+# `DistributedSampler`'s index arithmetic, by hand: implement `shard_indices` as its docstring below
+# says. It describes what the sampler does step by step (order, length, share) and what you may not
+# call. Read the sampler itself in
+# [torch/utils/data/distributed.py](https://github.com/pytorch/pytorch/blob/main/torch/utils/data/distributed.py)
+# (torch 2.13) to follow along.
 #
 # **How it is tested.** In every rank of real process groups of 1 to 4 ranks, each rank calls your
 # function with its own rank and `num_replicas` = the world size; the test then builds torch's
 # sampler in the same rank and compares. It also checks that all ranks got the same number of
 # indices and that together they cover every index (without `drop_last`).
-#
-# **Write it yourself.** The tests run your function with a profiler hook and fail it if any
-# function of `torch/utils/data/distributed.py` runs during the call (so no `DistributedSampler`,
-# however it was imported). `torch.Generator` and `torch.randperm` are allowed, and needed.
 
 # %% nbgrader={"grade": false, "grade_id": "shard-indices", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def shard_indices(dataset_len: int, num_replicas: int, rank: int, shuffle: bool = True,
                   seed: int = 0, epoch: int = 0, drop_last: bool = False) -> list[int]:
-    """The indices DistributedSampler gives `rank` of `num_replicas` in epoch `epoch`."""
+    """The indices DistributedSampler gives `rank` of `num_replicas` in epoch `epoch`.
+
+    Return, in order, exactly the indices that
+    `DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)` yields after
+    `set_epoch(epoch)` for a dataset with `dataset_len` samples. What the sampler does:
+
+    1. Order. With `shuffle`, the order is a random permutation of `0 .. dataset_len-1` drawn by
+       `torch.randperm` from a fresh `torch.Generator` seeded with `seed + epoch`. Every rank seeds
+       it the same way, so every rank computes the same permutation, and a new epoch gives a new one
+       (that is all `set_epoch` does). Without `shuffle`, the order is `0, 1, ..., dataset_len-1`.
+    2. Length. Each rank gets `num_samples` indices, the same number on every rank:
+       * without `drop_last`: `ceil(dataset_len / num_replicas)`. The list is padded up to
+         `num_samples * num_replicas` by appending indices from its start again (the first ones of
+         the shuffled order, not index 0 and not the last index), as many passes over the list as
+         needed: a dataset smaller than `num_replicas` is repeated several times;
+       * with `drop_last`, when `dataset_len` is not a multiple of `num_replicas`:
+         `ceil((dataset_len - num_replicas) / num_replicas)`, which is
+         `dataset_len // num_replicas` (0 when the dataset is smaller than the world). The tail of
+         the ordered list beyond `num_samples * num_replicas` is dropped. (A multiple of
+         `num_replicas` loses nothing.)
+    3. Share. Rank `r` takes every `num_replicas`-th index of that list starting at position `r`
+       (strided, not a contiguous block).
+
+    An empty dataset (`dataset_len = 0`) gives `[]` on every rank.
+
+    Write it yourself: the tests run this function with a profiler hook and fail it if any function
+    of `torch/utils/data/distributed.py` runs during the call (so no `DistributedSampler`, however
+    it was imported). `torch.Generator` and `torch.randperm` are allowed, and needed.
+
+    Args:
+        dataset_len: the number of samples in the dataset (0 is allowed).
+        num_replicas: the number of ranks sharing the dataset, the sampler's `num_replicas`.
+        rank: the rank whose indices to return, in `[0, num_replicas)`.
+        shuffle, seed, drop_last: as the sampler's arguments of the same names.
+        epoch: the epoch given to the sampler's `set_epoch`.
+
+    Returns:
+        A `list` of Python `int`s (`.tolist()` gives them); the comparison is exact.
+
+    Raises:
+        ValueError: when `rank` is not in `[0, num_replicas)`, as the sampler does; since no rank
+            can satisfy that when `num_replicas < 1`, that is a `ValueError` too.
+    """
     ### BEGIN SOLUTION
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, not {num_replicas}")

@@ -1,11 +1,8 @@
 """Chapter 05, AllReduce by hand: the visible checks, and the rank-side cases they are built from.
 
-The grading contract (function names and signatures) is stated in the exercise notebook:
-
-* ``average_gradients(model) -> None``: after ``backward()``, every parameter's ``.grad`` becomes
-  its mean over all ranks; parameters whose ``.grad`` is None are left alone.
-* ``ring_allreduce(tensor) -> None``: in-place SUM all-reduce over the default group, using only
-  point-to-point calls, sending about 2(N-1)/N of the tensor's bytes per rank.
+The contract is the docstrings of ``average_gradients`` and ``ring_allreduce`` in
+solutions/05_allreduce/allreduce_by_hand.nb.py (students:
+exercises/05_allreduce/allreduce_by_hand.ipynb).
 
 The reference is always PyTorch's own ``dist.all_reduce``, run in the same rank on a copy.
 """

@@ -1,18 +1,9 @@
 """Chapter 05, from all-reduce to DDP: visible checks for ``broadcast_parameters`` and
 ``BucketedDDP``, and the rank-side cases the hidden checks reuse.
 
-The grading contract (stated in the exercise notebook ``bucketed_ddp``):
-
-* ``broadcast_parameters(module) -> None``: every parameter and buffer of ``module`` takes rank
-  0's values, in place.
-* ``BucketedDDP(module, bucket_cap_mb)``: broadcasts rank 0's state at construction; groups the
-  parameters that require gradients into buckets in *reverse* ``module.parameters()`` order (a
-  bucket is closed when the next parameter would take it over ``bucket_cap_mb`` MiB; a parameter
-  larger than the cap gets a bucket of its own); during ``backward()`` starts one asynchronous
-  all-reduce per bucket as soon as all of the bucket's gradients are ready;
-  ``finish_gradient_synchronization()`` waits for them (and all-reduces the buckets that were never
-  complete, e.g. holding a parameter that got no gradient) and leaves every ``.grad`` equal to the
-  mean over ranks. ``.grad`` that is None stays None.
+The contract is the docstrings of ``broadcast_parameters`` and ``BucketedDDP`` (the class and its
+methods) in solutions/05_allreduce/bucketed_ddp.nb.py (students:
+exercises/05_allreduce/bucketed_ddp.ipynb).
 
 Every rank builds its model from a different seed, so only rank 0's initial state is right; the
 reference is one process training rank 0's model on the whole batch (the concatenation of every

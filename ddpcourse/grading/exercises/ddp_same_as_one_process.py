@@ -1,11 +1,9 @@
 """Chapter 01, why DDP: visible checks for ``train_with_ddp``.
 
-Contract (stated in the exercise notebook): ``train_with_ddp(model, x, y, steps, lr) -> model``
-runs on every rank of a gloo group; every rank gets the same global batch ``(x, y)`` and its own
-``model`` (initialised differently on each rank here, so only rank 0's initial state may count).
-It wraps the model in DistributedDataParallel, takes an equal share of the rows of ``x`` for its
-rank (ValueError when ``len(x)`` does not divide by the world size), runs ``steps`` steps of plain
-SGD(lr) on the mean-squared error of its share, and returns the given ``model`` itself, trained.
+The contract is the docstring of ``train_with_ddp`` in
+solutions/01_why_ddp/ddp_same_as_one_process.nb.py (students:
+exercises/01_why_ddp/ddp_same_as_one_process.ipynb). It runs on every rank of a gloo group, each
+rank's ``model`` initialised differently here.
 
 What each rank checks, after every rank's call has returned:
 

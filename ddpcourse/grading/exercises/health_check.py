@@ -1,17 +1,14 @@
 """Chapter 00, setup: visible checks for ``bus_bandwidth`` and ``all_reduce_self_test``.
 
-Contract (stated in the exercise notebook):
+The contract is the docstrings of ``bus_bandwidth`` and ``all_reduce_self_test`` in
+solutions/00_setup/health_check.nb.py (students: exercises/00_setup/health_check.ipynb).
 
-* ``bus_bandwidth(collective, nbytes, seconds, world_size) -> (algbw, busbw)`` in GB/s (1e9
-  bytes/s) by nccl-tests' definitions (doc/PERFORMANCE.md of NVIDIA/nccl-tests): ``algbw = S/t``,
-  ``busbw = algbw * factor(n)``; ValueError for an unknown collective, ``world_size < 1``,
-  ``seconds <= 0`` or ``nbytes < 0``. It must be the student's own arithmetic: the check runs it
-  in a fresh rank with a profiler hook that fails it if any function of the ``ddpcourse`` package
-  (``ddpcourse.doctor`` computes the same figures) runs during the call.
-* ``all_reduce_self_test() -> bool`` on every rank of the default group: one real all-reduce of
-  values whose sum the rank knows; True iff this rank's result is exactly right; ValueError on a
-  group of one. The check runs it once as is, then with the all-reduce corrupted inside the
-  ranks (:class:`CorruptAllReduce`), and wants False on exactly the ranks whose result was wrong.
+* ``bus_bandwidth`` must be the student's own arithmetic: the check runs it in a fresh rank with a
+  profiler hook that fails it if any function of the ``ddpcourse`` package (``ddpcourse.doctor``
+  computes the same figures) runs during the call.
+* ``all_reduce_self_test`` runs on every rank of the default group: the check runs it once as is,
+  then with the all-reduce corrupted inside the ranks (:class:`CorruptAllReduce`), and wants False
+  on exactly the ranks whose result was wrong.
 """
 
 from __future__ import annotations

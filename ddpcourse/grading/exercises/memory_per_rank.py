@@ -1,11 +1,8 @@
 """Chapter 02, DP vs DDP vs FSDP: visible checks for ``bytes_per_rank``, and the measurement.
 
-Contract (stated in the exercise notebook): ``bytes_per_rank(model, world_size, rank, strategy)
--> {"params": int, "grads": int, "adam_state": int}``, the bytes rank ``rank`` of ``world_size``
-holds after one default ``torch.optim.Adam`` step on the CPU when ``model`` is trained under
-``"ddp"`` (DistributedDataParallel; bucket buffers not counted) or ``"fsdp"`` (FSDP2
-``fully_shard`` on every layer that has parameters, then on the root). Predicted from the
-parameters alone; ``ValueError`` for an unknown strategy or a rank outside ``[0, world_size)``.
+The contract is the docstring of ``bytes_per_rank`` in
+solutions/02_dp_ddp_fsdp/memory_per_rank.nb.py (students:
+exercises/02_dp_ddp_fsdp/memory_per_rank.ipynb).
 
 The reference is a measurement, never a formula: each rank first asks the student's function for
 its own prediction (before any process group exists, so the prediction cannot peek), then joins a

@@ -1,10 +1,11 @@
 """Chapter 04, process groups: visible checks for ``ranks_from_env``.
 
-Contract (stated in the exercise notebook): ``ranks_from_env(env) -> (rank, local_rank,
-world_size)`` from torchrun's RANK / LOCAL_RANK / WORLD_SIZE; when none of those is set, from
-SLURM's SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS; otherwise ``ValueError`` naming the missing
-variables. A half-set torchrun environment is an error too, never a reason to fall back or to
-default to rank 0 (the source article's "all ranks are rank 0" bug).
+The contract is the docstring of ``ranks_from_env`` in
+solutions/04_process_groups/ranks_from_env.nb.py (students:
+exercises/04_process_groups/ranks_from_env.ipynb). The checks feed it torchrun's and SLURM's
+variables, and half-set environments that must raise rather than fall back or default to rank 0
+(the source article's "all ranks are rank 0" bug), and run it in real processes that build a
+process group from its answer.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Chapter 06, data loading: visible checks for ``shard_indices``.
 
-Contract (stated in the exercise notebook): ``shard_indices(dataset_len, num_replicas, rank,
-shuffle=True, seed=0, epoch=0, drop_last=False) -> list[int]`` returns exactly the indices, in
-order, that ``torch.utils.data.distributed.DistributedSampler`` yields for a dataset of that
-length after ``set_epoch(epoch)``; ``ValueError`` for a rank outside ``[0, num_replicas)`` or
-``num_replicas < 1``. Written by hand: the call runs under a profile hook
-(:mod:`ddpcourse.grading.forbidden`) watching ``torch/utils/data/distributed.py``, so no function
-of that file may run during it.
+The contract is the docstring of ``shard_indices`` in
+solutions/06_data_loading/sampler_by_hand.nb.py (students:
+exercises/06_data_loading/sampler_by_hand.ipynb). Written by hand: the call runs under a profile
+hook (:mod:`ddpcourse.grading.forbidden`) watching ``torch/utils/data/distributed.py``, so no
+function of that file may run during it.
 
 Each case runs in every rank of a real group with that rank's own rank; the reference is the
 sampler itself, built in the same rank right after the student's call (outside the hook).

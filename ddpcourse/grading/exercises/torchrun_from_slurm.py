@@ -1,14 +1,9 @@
 """Chapter 03, torchrun: visible checks for ``torchrun_argv_from_slurm``.
 
-Contract (stated in the exercise notebook): ``torchrun_argv_from_slurm(env, script, port=29500)
--> list[str]``, the static multi-node torchrun command of one Slurm task per node, as
-chapters/03_torchrun/slurm_torchrun.sbatch builds it::
-
-    ["torchrun", "--nnodes", SLURM_NNODES, "--node-rank", SLURM_NODEID,
-     "--nproc-per-node", SLURM_GPUS_ON_NODE or "1", "--master-addr", FIRST HOST of
-     SLURM_JOB_NODELIST (expanded without scontrol), "--master-port", str(port), script]
-
-``ValueError`` naming every missing required variable, and for a node id outside [0, N).
+The contract is the docstring of ``torchrun_argv_from_slurm`` in
+solutions/03_torchrun/torchrun_from_slurm.nb.py (students:
+exercises/03_torchrun/torchrun_from_slurm.ipynb): the static multi-node torchrun command of one
+Slurm task per node, as chapters/03_torchrun/slurm_torchrun.sbatch builds it.
 
 Two kinds of check. (a) The command is parsed with torchrun's own argument parser
 (``torch.distributed.run.parse_args``, the function torchrun itself calls), so any spelling that
