@@ -64,6 +64,15 @@ def imports_module_as(node: ast.stmt, package: str, module: str, alias: str) -> 
             and [(a.name, a.asname) for a in node.names] == [(module, alias)])
 
 
+def assert_only_calls_then_passed(context: str, nodes: list[ast.stmt], alias: str, module) -> None:
+    """``nodes`` are ``alias.check(...)`` calls of functions ``module`` has, then print('passed')."""
+    assert nodes and is_print_passed(nodes[-1]), f"{context}: ends with print('passed')"
+    for node in nodes[:-1]:
+        assert is_call_on(node, alias), f"{context}: `{ast.unparse(node)}` - only calls {alias}.*"
+        assert hasattr(module, node.value.func.attr), (
+            f"{context}: {module.__name__} has no {node.value.func.attr}")
+
+
 def split_hidden(source: str) -> tuple[str, str]:
     """(the cell's visible code, its hidden block's code)."""
     if BEGIN_HIDDEN not in source:
@@ -117,12 +126,7 @@ def test_visible_cells_only_call_this_exercises_checks(exercise):
             continue
         body = statements(cell.source)
         calls = [node for node in body if not isinstance(node, (ast.Import, ast.ImportFrom))][1:]
-        assert calls and is_print_passed(calls[-1]), f"{where(exercise, cell)}: ends with print('passed')"
-        for node in calls[:-1]:
-            assert is_call_on(node, "checks"), (
-                f"{where(exercise, cell)}: `{ast.unparse(node)}` - a visible test only calls checks.*")
-            assert hasattr(checks, node.value.func.attr), (
-                f"{where(exercise, cell)}: {checks.__name__} has no {node.value.func.attr}")
+        assert_only_calls_then_passed(where(exercise, cell), calls, "checks", checks)
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
@@ -138,12 +142,7 @@ def test_hidden_blocks_only_call_grader_only_checks(exercise):
         assert imports_module_as(body[0], HIDDEN_PACKAGE, exercise.slug, "hidden"), (
             f"{where(exercise, cell)}: the hidden block starts with "
             f"`from {HIDDEN_PACKAGE} import {exercise.slug} as hidden`")
-        assert is_print_passed(body[-1]), f"{where(exercise, cell)}: ends with print('passed')"
-        for node in body[1:-1]:
-            assert is_call_on(node, "hidden"), (
-                f"{where(exercise, cell)}: `{ast.unparse(node)}` - hidden blocks only call hidden.*")
-            assert hasattr(hidden_module, node.value.func.attr), (
-                f"{where(exercise, cell)}: {hidden_module.__name__} has no {node.value.func.attr}")
+        assert_only_calls_then_passed(where(exercise, cell), body[1:], "hidden", hidden_module)
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
