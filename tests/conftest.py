@@ -1,14 +1,30 @@
 """Shared fixtures: a warm rank server for the whole session, an orphan check per test, and the
-integrity snapshot the grading tests take as an exercise's locked setup cell does."""
+integrity snapshot the grading tests take as an exercise's locked setup cell does.
+
+Every test of a chapter's lesson, scripts, exercises or grading is marked with its chapter, so
+``pytest -m ch05`` runs chapter 05 alone (see :func:`course_layout.chapter_of`)."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+from course_layout import CHAPTER_NUMBERS, chapter_of
 
 from ddpcourse.launcher import prestart, rank_server_pids
 from ddpcourse.processes import live_descendants
+
+
+def pytest_configure(config):
+    for number in CHAPTER_NUMBERS:
+        config.addinivalue_line("markers", f"ch{number}: a test of chapter {number}")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        number = chapter_of(item.nodeid)
+        if number:
+            item.add_marker(f"ch{number}")
 
 
 def pytest_sessionstart(session):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from course_layout import PYPROJECT, TESTED_TORCH, chapter_scripts
+from course_layout import PYPROJECT, TESTED_TORCH, chapter_of, chapter_scripts
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,3 +81,17 @@ def test_every_chapter_script_starts_with_its_launch_command(script):
         first_command
     )
     assert str(script.relative_to(ROOT)) in first_command
+
+
+@pytest.mark.parametrize("nodeid, chapter", [
+    ("tests/test_chapter_03_torchrun.py::test_x", "03"),
+    ("tests/test_grading_bucketed_ddp.py::test_x", "05"),
+    ("tests/test_exercises.py::test_x[sampler_by_hand]", "06"),
+    ("tests/test_notebooks.py::test_x[chapters/02_dp_ddp_fsdp/02_dp_ddp_fsdp.ipynb]", "02"),
+    ("tests/test_chapter_scripts.py::test_x[chapters/04_process_groups/collectives_tour.py]", "04"),
+    ("tests/test_launcher.py::test_x", None),
+    ("tests/test_grading.py::test_x", None),
+])
+def test_each_chapters_tests_carry_its_marker(nodeid, chapter):
+    """`pytest -m ch05` (CONTRIBUTING.md) selects by these."""
+    assert chapter_of(nodeid) == chapter
