@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from autograder.tamper_scan import SETUP_NAMES, _Scanner
 from ddpcourse.grading import integrity
+from ddpcourse.grading.checks import CHECK_TIMEOUT_S, CheckFailed, run_student
 from ddpcourse.grading.comm_audit import CommAudit
 from ddpcourse.grading.exercises import allreduce_by_hand
 from ddpcourse.kernels import execute_notebook
@@ -137,3 +138,19 @@ def test_the_setup_cell_guards_the_kernel_against_blocking_killing_and_flooding(
     assert "REFUSED KernelGuardError" in texts[2]
     assert len(texts[3]) < 300_000 and "cut at" in texts[3]
     assert "STILL ALIVE" in texts[4]
+
+
+def test_a_timed_out_check_names_the_deadline_it_was_given():
+    def waits_forever():
+        import time
+        while True:
+            time.sleep(0.1)
+
+    def call_it(rank, world_size, student_fn):
+        student_fn()
+
+    with pytest.raises(CheckFailed) as info:
+        run_student(call_it, 2, waits_forever, timeout=2.5)
+    message = str(info.value)
+    assert "did not finish within 2.5 s" in message, message
+    assert f"within {CHECK_TIMEOUT_S:g} s" not in message

@@ -19,13 +19,14 @@ import torch.distributed as dist
 
 from ddpcourse import _pickling
 from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import HIDDEN_PACKAGE
 from ddpcourse.launcher import RankError, run_ranks
 from ddpcourse.rank_errors import RankFailure
 
 # Seconds one check's ranks may take. Correct solutions need well under 1 s; graders of large
 # classes on loaded machines may raise it, CI lowers it to fail hanging submissions faster.
 CHECK_TIMEOUT_S = float(os.environ.get("DDPCOURSE_CHECK_TIMEOUT_S", "15"))
-_HIDDEN_PATH_MARK = "autograder/hidden"
+_HIDDEN_PATH_MARK = HIDDEN_PACKAGE.replace(".", "/")  # frames of grader-only checks
 
 
 class CheckFailed(AssertionError):
@@ -55,7 +56,7 @@ def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Cal
                             seed=0, max_output_bytes=20_000, backend="gloo",
                             init_process_group=init_process_group)
     except RankError as err:
-        raise CheckFailed(explain(err, hide_internals)) from None
+        raise CheckFailed(explain(err, hide_internals, timeout)) from None
     wrong = [f"rank {rank}: {r.message}" for rank, r in enumerate(results)
              if isinstance(r, _WrongResult) and r.message != _PEER_FAILED]
     if wrong:
@@ -122,16 +123,17 @@ def _in_rank(rank: int, world_size: int, rank_check, payload: bytes, args: tuple
         return _WrongResult(str(failed))
 
 
-def explain(err: RankError, hide_internals: bool) -> str:
+def explain(err: RankError, hide_internals: bool, timeout: float) -> str:
+    """What each failed rank did, for the student; ``timeout`` is the deadline the ranks had."""
     lines = []
     for failure in err.failures:
         if failure.kind == "stopped":
             continue
-        lines.append(_explain_one(failure, hide_internals))
+        lines.append(_explain_one(failure, hide_internals, timeout))
     return "\n".join(lines)
 
 
-def _explain_one(failure: RankFailure, hide_internals: bool) -> str:
+def _explain_one(failure: RankFailure, hide_internals: bool, timeout: float) -> str:
     rank = f"rank {failure.rank}"
     if failure.kind == "raised" and failure.exc_type in ("CheckFailed", "TamperingError"):
         return f"{rank}: {failure.message}"
@@ -140,7 +142,7 @@ def _explain_one(failure: RankFailure, hide_internals: bool) -> str:
         return f"{rank}: your code raised {failure.exc_type}: {failure.message}\n{trace}"
     if failure.kind == "timeout":
         stack = _without_internals(failure.stack) if hide_internals else failure.stack
-        return (f"{rank}: did not finish within {CHECK_TIMEOUT_S:g} s (a deadlock? every send "
+        return (f"{rank}: did not finish within {timeout:g} s (a deadlock? every send "
                 f"needs a matching recv on the peer; or an endless loop). Where it was:\n{stack}")
     return f"{rank}: {failure.message or failure.headline()}"
 

@@ -21,6 +21,7 @@ import torch.distributed.distributed_c10d as c10d
 import torch.testing
 
 import ddpcourse.launcher
+from ddpcourse.grading.exercises import GRADER_PACKAGES
 
 PROTECTED_MODULES = [
     "torch",
@@ -55,7 +56,7 @@ def _protected_objects() -> dict[str, object]:
     for module_name in PROTECTED_MODULES:
         objects[f"sys.modules[{module_name!r}]"] = sys.modules.get(module_name)
     for module_name in list(sys.modules):
-        if module_name.startswith(("ddpcourse.grading.", "autograder.hidden")):
+        if module_name.startswith(GRADER_PACKAGES):
             module = sys.modules[module_name]
             for attr, value in vars(module).items():
                 if isinstance(value, types.FunctionType) and not attr.startswith("__"):
