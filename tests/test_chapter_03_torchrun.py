@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "chapters" / "03_torchrun"
 sys.path.insert(0, str(CHAPTER))
-from ddpcourse.processes import run_bounded  # a deadline, and no process left behind
+from ddpcourse.launcher import run_bounded  # a deadline, and no process left behind
 BIN = Path(sys.executable).parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 OLD_LAUNCHER = [sys.executable, "-m", "torch.distributed.launch"]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "chapters" / "03_torchrun"))
 
 import _demos  # noqa: E402
 import collectives_tour  # noqa: E402
-from ddpcourse.processes import run_bounded  # a deadline, and no process left behind
+from ddpcourse.launcher import run_bounded  # a deadline, and no process left behind
 
 
 # --- init methods, timeouts, subgroups ------------------------------------------------------

@@ -37,7 +37,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from ddpcourse.processes import run_bounded  # a deadline, and no process left behind
+from ddpcourse.launcher import run_bounded  # a deadline, and no process left behind
 
 ROOT = Path.cwd().resolve().parents[1]   # the notebook runs in chapters/03_torchrun
 BIN = Path(sys.executable).parent        # torchrun and python of this environment

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "chapters" / "03_torchrun"))
 prestart()
 import _demos
 import collectives_tour as tour
-from ddpcourse.processes import run_bounded  # a deadline, and no process left behind
+from ddpcourse.launcher import run_bounded  # a deadline, and no process left behind
 
 def show(fn):
     print(inspect.getsource(fn))
