@@ -47,8 +47,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 
-from ddpcourse.launcher import RankTimeoutError, prestart, run_ranks
-from ddpcourse.processes import run_bounded  # a deadline, and no process left behind
+from ddpcourse.launcher import RankTimeoutError, prestart, run_bounded, run_ranks
 
 ROOT = Path.cwd().resolve().parents[1]   # the notebook runs in chapters/05_allreduce
 sys.path.insert(0, str(Path.cwd()))     # the ranks import the chapter's modules too
