@@ -27,7 +27,7 @@ from pathlib import Path
 
 from autograder.nbgrader_api import REPO
 from autograder.notices import write_notice
-from ddpcourse.processes import kill_process_group, live_descendants, process_table
+from ddpcourse.launcher.processes import kill_process_group, live_descendants, process_table
 
 _PR_SET_CHILD_SUBREAPER = 36
 

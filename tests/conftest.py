@@ -12,7 +12,7 @@ import pytest
 from course_layout import CHAPTER_NUMBERS, chapter_of
 
 from ddpcourse.launcher import prestart, rank_server_pids
-from ddpcourse.processes import live_descendants
+from ddpcourse.launcher.processes import live_descendants
 
 
 def pytest_configure(config):

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpcourse.launcher import RankTimeoutError, run_ranks
-from ddpcourse.processes import run_bounded
+from ddpcourse.launcher import RankTimeoutError, run_bounded, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "chapters" / "05_allreduce"

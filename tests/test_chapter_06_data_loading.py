@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpcourse.launcher import RankTimeoutError, run_ranks
-from ddpcourse.processes import run_bounded
+from ddpcourse.launcher import RankTimeoutError, run_bounded, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "chapters" / "06_data_loading"

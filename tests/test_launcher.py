@@ -25,7 +25,7 @@ from ddpcourse.launcher import (
     run_ranks,
     usable_cores,
 )
-from ddpcourse.processes import is_alive, live_descendants
+from ddpcourse.launcher.processes import is_alive, live_descendants
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
 

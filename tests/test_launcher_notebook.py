@@ -77,7 +77,7 @@ def test_a_cell_timeout_interrupts_the_kernel_and_leaves_no_rank_behind():
         "run_ranks(sleepy, 2, timeout=600)",
         "import time\n"
         "from ddpcourse.launcher import rank_server_pids\n"
-        "from ddpcourse.processes import live_descendants\n"
+        "from ddpcourse.launcher.processes import live_descendants\n"
         "time.sleep(0.5)\n"
         "print('LEFT', sorted(live_descendants() - rank_server_pids()))",
     ]

@@ -17,11 +17,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ddpcourse import _pickling
+from ddpcourse.launcher import _pickling
 from ddpcourse.grading import integrity
 from ddpcourse.grading.exercises import HIDDEN_PACKAGE
-from ddpcourse.launcher import RankError, run_ranks
-from ddpcourse.rank_errors import RankFailure
+from ddpcourse.launcher import RankError, RankFailure, run_ranks
 
 # Seconds one check's ranks may take. Correct solutions need well under 1 s; graders of large
 # classes on loaded machines may raise it, CI lowers it to fail hanging submissions faster.

@@ -1,4 +1,4 @@
-"""What runs inside one rank process (forked by :mod:`ddpcourse._rank_server`).
+"""What runs inside one rank process (forked by :mod:`ddpcourse.launcher._rank_server`).
 
 In order: become safe to kill (own process group, die with the server), send all output to the
 rank's log file, arm faulthandler so the parent can ask for a Python stack at any moment (SIGUSR1)
@@ -25,8 +25,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ddpcourse._job import JobCall, JobFiles, JobSpec
-from ddpcourse.processes import set_parent_death_signal
+from ddpcourse.launcher._job import JobCall, JobFiles, JobSpec
+from ddpcourse.launcher.processes import set_parent_death_signal
 
 _EXIT_FAILED = 1
 _stack_file: io.TextIOWrapper | None = None  # kept open for faulthandler's whole life

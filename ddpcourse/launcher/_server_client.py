@@ -1,4 +1,5 @@
-"""The parent's side of :mod:`ddpcourse._rank_server`: start it, send fork requests, read events.
+"""The parent's side of :mod:`ddpcourse.launcher._rank_server`: start it, send fork requests,
+read events.
 
 Two servers are started together the first time ranks are needed: a *fast* one that is ready as
 soon as torch is imported (~1 s) and a *warm* one that has also imported ``torch._dynamo`` (which
@@ -26,7 +27,7 @@ class RankServer:
         env = dict(os.environ)
         package_root = str(Path(ddpcourse.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        args = [sys.executable, "-m", "ddpcourse._rank_server", str(os.getpid())]
+        args = [sys.executable, "-m", "ddpcourse.launcher._rank_server", str(os.getpid())]
         self.process = subprocess.Popen(
             args + (["--warm"] if warm else []),
             stdin=subprocess.PIPE,

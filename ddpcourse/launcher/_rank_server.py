@@ -1,9 +1,10 @@
 """The rank server: a process with torch already imported that forks rank processes on request.
 
-Started by :mod:`ddpcourse.launcher` as ``python -m ddpcourse._rank_server PARENT_PID [--warm]``.
-Importing torch costs 1-2 s per process; forking a process that has already imported it costs
-milliseconds. That is the whole reason this process exists. It is single-threaded, never touches
-CUDA, and talks to its parent over two pipes in JSON lines:
+Started by :mod:`ddpcourse.launcher._server_client` as
+``python -m ddpcourse.launcher._rank_server PARENT_PID [--warm]``. Importing torch costs 1-2 s per
+process; forking a process that has already imported it costs milliseconds. That is the whole
+reason this process exists. It is single-threaded, never touches CUDA, and talks to its parent over
+two pipes in JSON lines:
 
 * stdin  (parent -> server): ``{"op": "fork", "job": DIR, "rank": R}``
 * stdout (server -> parent): ``{"ev": "ready"}``, ``{"ev": "forked", "job": DIR, "rank": R,
@@ -25,7 +26,7 @@ import select
 import signal
 import sys
 
-from ddpcourse.processes import kill_process_group, set_parent_death_signal
+from ddpcourse.launcher.processes import kill_process_group, set_parent_death_signal
 
 _live_ranks: set[int] = set()
 
@@ -37,7 +38,7 @@ def _preload(warm: bool) -> None:
     import torch.nn  # noqa: F401
     import torch.utils.data  # noqa: F401
 
-    import ddpcourse._rank_child  # noqa: F401
+    import ddpcourse.launcher._rank_child  # noqa: F401
 
     try:
         import numpy  # noqa: F401
@@ -74,7 +75,7 @@ def _fork_rank(job_dir: str, rank: int, wakeup_fds: tuple[int, int]) -> None:
             for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            from ddpcourse._rank_child import run_rank
+            from ddpcourse.launcher._rank_child import run_rank
 
             code = run_rank(job_dir, rank)
         finally:
