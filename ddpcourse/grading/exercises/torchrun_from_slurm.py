@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ddpcourse.dist_env import free_port
 from ddpcourse.grading.checks import CheckFailed, run_student
-from ddpcourse.processes import run_bounded
+from ddpcourse.launcher import run_bounded
 
 REQUIRED = ("SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST")
 DEFAULT_MASTER = ("127.0.0.1", 29500)  # torchrun's defaults (torch/distributed/run.py)
