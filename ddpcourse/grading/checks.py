@@ -17,10 +17,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ddpcourse.launcher import _pickling
 from ddpcourse.grading import integrity
 from ddpcourse.grading.exercises import HIDDEN_PACKAGE
-from ddpcourse.launcher import RankError, RankFailure, run_ranks
+from ddpcourse.launcher import RankError, RankFailure, pickle_by_value, run_ranks
 
 # Seconds one check's ranks may take. Correct solutions need well under 1 s; graders of large
 # classes on loaded machines may raise it, CI lowers it to fail hanging submissions faster.
@@ -42,7 +41,7 @@ def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Cal
     if not callable(student_fn):
         raise CheckFailed(f"expected a function, got {type(student_fn).__name__}")
     try:
-        payload = _pickling.dumps(student_fn)
+        payload = pickle_by_value(student_fn)
     except Exception as exc:
         raise CheckFailed(
             f"{getattr(student_fn, '__name__', 'your function')} cannot be sent to the ranks "

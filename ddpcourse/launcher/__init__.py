@@ -58,11 +58,18 @@ from ddpcourse.launcher.processes import run_bounded
 
 __all__ = [
     "run_ranks", "prestart", "resolve_backend", "RankError", "RankFailure", "RankTimeoutError",
-    "run_bounded", "wait_until_warm", "rank_server_pids", "usable_cores",
+    "run_bounded", "wait_until_warm", "rank_server_pids", "usable_cores", "pickle_by_value",
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
 _call_lock = threading.Lock()
+
+
+def pickle_by_value(obj) -> bytes:
+    """Pickle ``obj`` the way ``run_ranks`` sends ``fn``: functions of ``__main__`` (a notebook
+    cell) by value, with their real file names kept. Lets a caller find out before a launch that
+    a function cannot travel to the ranks (it holds a lock, an open file, a socket...)."""
+    return _pickling.dumps(obj)
 
 
 def usable_cores() -> int:
