@@ -154,3 +154,16 @@ def test_a_timed_out_check_names_the_deadline_it_was_given():
     message = str(info.value)
     assert "did not finish within 2.5 s" in message, message
     assert f"within {CHECK_TIMEOUT_S:g} s" not in message
+
+
+def test_a_function_that_cannot_travel_to_the_ranks_is_refused_before_any_launch():
+    import threading
+
+    lock = threading.Lock()
+
+    def holds_a_lock():
+        with lock:
+            pass
+
+    with pytest.raises(CheckFailed, match="holds_a_lock cannot be sent to the ranks"):
+        run_student(lambda rank, world_size, fn: fn(), 2, holds_a_lock)
