@@ -140,7 +140,7 @@ def test_the_setup_cell_guards_the_kernel_against_blocking_killing_and_flooding(
     assert "STILL ALIVE" in texts[4]
 
 
-def test_a_timed_out_check_names_the_deadline_it_was_given():
+def test_a_timed_out_check_names_the_deadline_it_was_given(integrity_snapshot):
     def waits_forever():
         import time
         while True:
@@ -156,7 +156,7 @@ def test_a_timed_out_check_names_the_deadline_it_was_given():
     assert f"within {CHECK_TIMEOUT_S:g} s" not in message
 
 
-def test_a_function_that_cannot_travel_to_the_ranks_is_refused_before_any_launch():
+def test_a_function_that_cannot_travel_to_the_ranks_is_refused_before_any_launch(integrity_snapshot):
     import threading
 
     lock = threading.Lock()
