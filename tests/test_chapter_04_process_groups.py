@@ -47,6 +47,17 @@ def test_a_short_timeout_turns_a_missing_peer_into_an_error(tmp_path, no_orphans
                           init_process_group=False, timeout=30)
     assert outcome["error"] is not None and "timeout" in outcome["error"].lower()
     assert 1.5 < outcome["after_s"] < 20
+    assert "collective_error" not in outcome  # gloo's default: init itself waited for the peer
+
+
+def test_a_lazy_backend_returns_from_init_and_waits_at_the_first_collective(tmp_path, no_orphans):
+    """What NCCL does without device_id, shown on CPU: gloo with TORCH_GLOO_LAZY_INIT=1."""
+    [outcome] = run_ranks(_demos.wait_for_a_missing_peer, 1, str(tmp_path / "store"), 2.0,
+                          init_process_group=False, env={"TORCH_GLOO_LAZY_INIT": "1"}, timeout=30)
+    assert outcome["error"] is None, outcome  # init_process_group returned without the peer
+    assert outcome["after_s"] < 1.5  # well below the 2 s timeout: it did not wait for it
+    assert "timeout" in outcome["collective_error"].lower()
+    assert 1.5 < outcome["collective_s"] < 20
 
 
 def test_subgroups_reduce_within_themselves_and_destroy_cleanly(no_orphans):
@@ -71,6 +82,21 @@ def test_the_checker_catches_a_wrong_result():
     results[1]["all_reduce"] = ([2.0], [2.0])  # as if rank 1 had skipped the all-reduce
     assert collectives_tour.mismatches(results, 2) == [
         "all_reduce: rank 1 got [2.0], expected [3.0]"]
+
+
+def test_ddp_divides_before_the_sum_all_reduce_as_float16_overflow_shows(no_orphans):
+    results = run_ranks(_demos.ddp_average_in_float16, 2, timeout=60)
+    for r in results:
+        assert r["all_reduce(SUM), then / N"] == float("inf")  # 80000 > 65504
+        assert r["/ N, then all_reduce(SUM)"] == 40000.0
+        assert r["DDP"] == 40000.0  # finite: DDP divided first
+
+
+def test_a_comm_hook_gets_the_bucket_undivided_and_must_average_itself(no_orphans):
+    results = run_ranks(_demos.what_a_comm_hook_sees, 2, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["bucket seen by the hook"] == [float(rank + 1)]  # this rank's own gradient
+        assert r["gradient after DDP"] == 3.0  # 1 + 2: the hook summed, nobody divided
 
 
 def test_the_articles_sanity_check_prints_6_on_4_ranks_not_4(no_orphans):
@@ -124,3 +150,54 @@ def test_started_by_hand_all_rank_0_gives_address_in_use_and_a_store_timeout(no_
                          init_process_group=False, timeout=30)
     assert sum("EADDRINUSE" in o for o in outcomes) == 1, outcomes
     assert sum("waiting for clients" in o for o in outcomes) == 1, outcomes
+
+
+# --- one GPU per rank ---------------------------------------------------------------------------
+
+def gpu_setup(*flags: str, timeout: float = 120):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(CHAPTER / "gpu_setup.py"), *flags]
+    done = run_bounded(cmd, timeout, cwd=ROOT)
+    if done.timed_out:
+        pytest.fail(f"gpu_setup.py {' '.join(flags)} still running after {timeout} s:\n"
+                    f"{done.stdout}\n{done.stderr}")
+    return done
+
+
+def two_gpus_with_nccl() -> bool:
+    import torch
+    import torch.distributed as dist
+
+    return torch.cuda.device_count() >= 2 and dist.is_nccl_available()
+
+
+NEEDS_TWO_GPUS = pytest.mark.skipif(not two_gpus_with_nccl(),
+                                    reason="needs 2 CUDA GPUs and NCCL; runs only on a GPU machine")
+
+
+@pytest.mark.skipif(two_gpus_with_nccl(), reason="this machine has the GPUs: the real runs below")
+@pytest.mark.parametrize("flags", [(), ("--forget-set-device",)])
+def test_gpu_setup_says_why_it_skips_without_gpus(flags, no_orphans):
+    done = gpu_setup(*flags)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("skipped: this script needs NCCL and one GPU per local rank") == 1
+
+
+@NEEDS_TWO_GPUS
+def test_gpu_setup_puts_each_rank_on_its_own_gpu(no_orphans):
+    done = gpu_setup()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "current devices [0, 1]: one GPU per rank" in done.stdout
+    for rank in (0, 1):
+        line = next(l for l in done.stdout.splitlines() if l.startswith(f"rank {rank},"))
+        assert f"parameters_on cuda:{rank}" in line and f"output_on cuda:{rank}" in line
+        assert f"plain_cuda_tensor_on cuda:{rank}" in line  # set_device made it the current device
+    assert "gradients identical on every rank: True" in done.stdout
+
+
+@NEEDS_TWO_GPUS
+def test_without_set_device_every_rank_lands_on_gpu_0(no_orphans):
+    done = gpu_setup("--forget-set-device")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "current devices [0, 0]: shared: several ranks on one GPU" in done.stdout
+    assert done.stdout.count("plain_cuda_tensor_on cuda:0") == 2

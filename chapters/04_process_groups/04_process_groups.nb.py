@@ -72,6 +72,59 @@ def show(fn):
 _demos.backend_of_environment()
 
 # %% [markdown]
+# ### One GPU per rank: the set-up, written out
+#
+# With NCCL every rank owns one GPU, and *you* pick it: torchrun gives each worker its
+# `LOCAL_RANK` and leaves every GPU of the node visible to it (chapter 03). Three lines, in this
+# order, do the job (`ddpcourse.dist_env.process_group` does exactly this; here it is in the open):
+#
+# ```python
+# local_rank = int(os.environ["LOCAL_RANK"])
+# device = torch.device("cuda", local_rank)
+# torch.cuda.set_device(device)                        # 1. this process's current device
+# dist.init_process_group("nccl", device_id=device)    # 2. the group is bound to that GPU
+# model = DDP(model.to(device), device_ids=[local_rank])   # 3. DDP knows its single device
+# ```
+#
+# 1. **`torch.cuda.set_device(local_rank)`** makes that GPU the *current device*: where plain
+#    `"cuda"` tensors go and where this process's CUDA context is created. The DDP docstring asks
+#    for it: "each process exclusively works on a single GPU from 0 to N-1 ... by either setting
+#    `CUDA_VISIBLE_DEVICES` for every process or by calling `torch.cuda.set_device(i)`"
+#    (`torch/nn/parallel/distributed.py`, `DistributedDataParallel`).
+# 2. **`init_process_group(device_id=device)`** binds the group to that GPU. Under NCCL the
+#    communicator is then formed at once instead of at the first collective (the `device_id`
+#    paragraph of `init_process_group`'s docstring; `_new_process_group_helper` calls
+#    `eager_connect_single_device`), and collectives that have no tensor to tell the device, such
+#    as `barrier()`, use it. Without it, `barrier()` warns that it uses "the current device",
+#    and the comment beside that warning spells out the failure: "If user did not set any, this
+#    may use default device 0, causing issues like hang or all processes creating context on
+#    device 0" (`torch/distributed/distributed_c10d.py`, `barrier`).
+# 3. **`DDP(model, device_ids=[local_rank])`**: for a module on one GPU, the one device DDP works
+#    on; DDP's forward moves the inputs there (`_pre_forward`: `_to_kwargs(..., torch.device(
+#    self.device_type, self.device_ids[0]), ...)`) and the output stays there.
+#
+# **Without step 1** every process's current device is GPU 0: `torch.ones(1, device="cuda")`,
+# `.cuda()` and the CUDA context of *every* rank land on GPU 0, which then runs out of memory
+# (a context alone takes hundreds of MB) while the other GPUs idle, and NCCL refuses two ranks on
+# one GPU. `gpu_setup.py` runs the set-up above and, with `--forget-set-device`, the careless one,
+# and prints where each rank's tensors are. It needs one GPU per rank; elsewhere it says so and
+# exits 0 (`tests/test_chapter_04_process_groups.py` runs it both ways, and for real where there
+# are GPUs).
+
+# %%
+gpus = torch.cuda.device_count()
+if gpus >= 2 and dist.is_nccl_available():
+    for flags in ("", "--forget-set-device"):
+        done = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node", "2", "chapters/04_process_groups/gpu_setup.py",
+                            *flags.split()], 120, cwd=ROOT)
+        print(f"== gpu_setup.py {flags} (exit {done.returncode})\n{done.stdout}")
+else:
+    print(f"{gpus} GPU(s) here: gpu_setup.py would only print why it skips. The canonical set-up:")
+    import gpu_setup
+    show(gpu_setup.set_up)
+
+# %% [markdown]
 # ## 2. Three init methods, each running
 #
 # The *init method* says where ranks exchange addresses (the store):
@@ -113,18 +166,41 @@ for i, line in enumerate(lines):
 # %% [markdown]
 # ## 3. Timeouts: a missing peer becomes an error
 #
-# `init_process_group` blocks until all `world_size` ranks have joined; collectives block until
-# every rank of the group calls them. `timeout=` bounds both. Here one process joins a group of two
-# that nobody else joins, with a 2-second timeout:
+# Collectives block until every rank of the group calls them. Whether `init_process_group`
+# already waits for every rank depends on the backend:
+#
+# * **gloo** (by default) connects every pair of ranks while the group is created, so
+#   `init_process_group` returns only when all `world_size` ranks have joined.
+# * **NCCL without `device_id`** creates its communicator lazily, at the first collective (the
+#   `device_id` paragraph of the `init_process_group` docstring: with it "the communicator is
+#   immediately formed (calling `ncclCommInit*` immediately rather than the normal lazy call)").
+#   So `init_process_group` can return with a peer missing, and the wait moves to the first
+#   collective. With `device_id=torch.device("cuda", local_rank)` (section 1) the wait is back in
+#   `init_process_group`. (Only the store may wait earlier: without torchrun, rank 0's `TCPStore`
+#   waits for every rank to connect, `wait_for_workers=True` in the `TCPStore` docstring.)
+#
+# gloo can connect lazily too, when `TORCH_GLOO_LAZY_INIT=1` (declared in the installed header
+# `torch/include/torch/csrc/distributed/c10d/ProcessGroupGloo.hpp`: "whether or not connections
+# are established in a full mesh or lazily as needed"), which lets this CPU build show both
+# behaviours. `timeout=` bounds either wait. Here one process joins a group of two that nobody
+# else joins, with a 2-second timeout, first as gloo does by default, then lazily:
 
 # %%
+show(_demos.wait_for_a_missing_peer)
 [outcome] = run_ranks(_demos.wait_for_a_missing_peer, 1, str(Path(tempfile.mkdtemp()) / "store"), 2.0,
                       init_process_group=False)
-print(outcome)
+print("full mesh (default):", outcome)
+[outcome] = run_ranks(_demos.wait_for_a_missing_peer, 1, str(Path(tempfile.mkdtemp()) / "store"), 2.0,
+                      init_process_group=False, env={"TORCH_GLOO_LAZY_INIT": "1"})
+print("TORCH_GLOO_LAZY_INIT=1:", outcome)
 from torch.distributed import constants
 print("defaults: gloo and others", constants.default_pg_timeout, "| nccl", constants.default_pg_nccl_timeout)
 
 # %% [markdown]
+# The lazy group's `init_process_group` returned at once and its first all-reduce waited out the
+# timeout instead: "the ranks joined" is only known after a collective (or an eager init). A
+# sanity all-reduce right after start-up (section 6) catches a missing rank where it is cheap.
+#
 # Without a timeout of your own, that wait lasts **30 minutes** on gloo and 10 on NCCL (the
 # `init_process_group` docstring; this CPU build has no NCCL, hence `None` above). In demos and tests, always pass a short
 # `timeout=timedelta(seconds=...)`.
@@ -205,12 +281,59 @@ plt.show()
 # Reading the pictures:
 # * **broadcast**: rank `src`'s tensor replaces everyone's. **reduce**: the sum lands on `dst`
 #   only (other ranks' buffers are not promised anything). **all_reduce**: everyone gets the sum;
-#   this is DDP's gradient averaging (then divided by N).
+#   DDP averages gradients with it, dividing *before* the sum (below).
 # * **all_gather**: everyone gets every rank's tensor, in rank order. **reduce_scatter**: chunk j
 #   of all ranks is summed onto rank j (FSDP's gradient step; all_reduce = reduce_scatter + all_gather).
 # * **all_to_all**: chunk j of rank i goes to slot i of rank j, a transpose across ranks.
 # * **barrier**: no data; every rank leaves after the last one arrives.
 #
+# ### How DDP averages: divide, then all-reduce with SUM
+#
+# A common description, and this chapter's earlier text, has DDP all-reduce the gradients and
+# "then divide by N". The order is the other way round. DDP's reducer divides each gradient by N
+# *while copying it into its bucket* (one pass over the data instead of two), then all-reduces the
+# bucket with plain SUM:
+#
+# * In [`torch/csrc/distributed/c10d/reducer.cpp` at v2.13.0](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/distributed/c10d/reducer.cpp),
+#   `Reducer::mark_variable_ready_dense` copies a ready gradient into its bucket with
+#   `at::mul_out(bucket_view, grad, 1 / div_factor_)`: "Divides while copying into the bucket
+#   view to save one scan over all the input parameters" (older releases called this step
+#   `copy_grad_to_bucket`; with the opt-in batched copy, `flush_deferred_copies` divides the
+#   whole bucket once instead). When the bucket is full, `all_reduce_bucket` calls
+#   `run_comm_hook`, which, with no hook registered, runs `_AllReduceBySumCommHook`: a SUM.
+# * The C++ source is not installed, but its headers are, under `torch/include/torch/csrc/
+#   distributed/c10d/`: `reducer.hpp` declares `div_factor_`, "Division factor for reduction of
+#   gradients. Equal to the process group size, with an exception of handling uneven input"
+#   (chapter 06's `Join`), and `default_comm_hooks.hpp` describes `_AllReduceBySumCommHook` as
+#   "without division inside the hook. This enables the optimization of fusing copy and
+#   division ... when no communication hook is provided by the user".
+# * The same order is in the installed Python hook that reproduces the default,
+#   `torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py`, `_allreduce_fut`:
+#   `tensor.div_(group_to_use.size())`, then `all_reduce`, with the reason: "Apply the division
+#   first to avoid overflow, especially for FP16."
+#
+# Overflow is also how to *see* the order. In float16 (largest value 65504) let the gradient be
+# 40000 on both ranks: summing first gives 80000, which is `inf`; dividing first gives
+# 20000 + 20000 = 40000. DDP's result tells which one it did:
+
+# %%
+show(_demos.ddp_average_in_float16)
+for rank, r in enumerate(run_ranks(_demos.ddp_average_in_float16, 2)):
+    print(f"rank {rank}: {r}")
+
+# %% [markdown]
+# A communication hook takes the division with it: once you register one, the reducer copies
+# the gradients into the bucket *undivided* (reducer.cpp, "Note [DDP Communication Hook]": "If
+# registered, reducer also skips dividing grads by world size"), and averaging is the hook's job,
+# which is why `_allreduce_fut` above divides. A hook that only sums sees each rank's own gradient
+# and leaves the sum, not the mean:
+
+# %%
+show(_demos.what_a_comm_hook_sees)
+for rank, r in enumerate(run_ranks(_demos.what_a_comm_hook_sees, 2)):
+    print(f"rank {rank}: {r}")
+
+# %% [markdown]
 # ## 6. The article's sanity check prints 6, not 4
 #
 # The article's check, "all_reduce of `ones * rank` should print `[4]` on 4 cards": with the
@@ -297,6 +420,10 @@ for i, outcome in enumerate(run_ranks(_demos.everyone_rank0_by_hand, 2, _demos.f
 # ## Pitfalls
 #
 # * **Reading the wrong launcher's variables** (section 7): under torchrun, RANK/LOCAL_RANK/WORLD_SIZE.
+# * **No `torch.cuda.set_device(local_rank)` on GPUs** (section 1): every rank's current device,
+#   CUDA context and plain-`"cuda"` tensors are on GPU 0.
+# * **Taking a returned `init_process_group` as proof that all ranks are there** (section 3): NCCL
+#   without `device_id`, or gloo with `TORCH_GLOO_LAZY_INIT=1`, connects at the first collective.
 # * **No timeout**: a missing peer or a duplicate rank waits 30 min (gloo) / 10 min (NCCL).
 # * **`tcp://` under torchrun** (torch 2.13): every rank is a store client; use `env://`.
 # * **`new_group` on some ranks only**: it is collective over the default group; call it on all.
@@ -307,10 +434,16 @@ for i, outcome in enumerate(run_ranks(_demos.everyone_rank0_by_hand, 2, _demos.f
 #
 # * Backends: gloo for CPU tensors, NCCL for CUDA tensors (one GPU per rank); the docs' table says
 #   which collective runs where (gloo's `all_to_all` runs on CPU in 2.13 despite its ✘).
+# * One GPU per rank: `torch.cuda.set_device(local_rank)`, `init_process_group(device_id=...)`,
+#   `DDP(model, device_ids=[local_rank])` (`gpu_setup.py`).
+# * `init_process_group` waits for every rank with gloo's default full-mesh connect, or NCCL with
+#   `device_id`; NCCL without it creates its communicator at the first collective.
 # * Init methods: `env://` (torchrun's), `tcp://`, `file://`; all three ran above. A short
 #   `timeout=` turns a missing peer into an error in seconds.
 # * `new_group` makes subgroups (called on every rank); `destroy_process_group()` leaves.
 # * broadcast, reduce, all_reduce, all_gather, reduce_scatter, all_to_all, barrier: each checked
 #   on 4 ranks against its expected values, and drawn.
+# * DDP averages by dividing each gradient by N as it enters its bucket, then all-reducing with SUM
+#   (float16 shows the order); a registered comm hook gets the bucket undivided.
 # * "Everyone is rank 0" fails loudly at start-up (`DistStoreError: wait timeout`); the article's
 #   sanity check prints 6 on 4 ranks.
