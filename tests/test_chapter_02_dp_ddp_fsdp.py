@@ -97,20 +97,55 @@ def test_ddp_broadcasts_rank_0_parameters_at_construction(no_orphans):
     assert r0["checksum_after"] == r1["checksum_after"] == r0["checksum_before"]
 
 
-@pytest.mark.parametrize("cap_mb", [None, 2])
-def test_ddp_uses_one_bucket_first_then_rebuilds_buckets_of_the_cap(no_orphans, cap_mb):
-    width, depth = 512, 12
-    sizes = run_ranks(ch.ddp_bucket_sizes, 2, cap_mb, width, depth)[0]
-    grad_bytes = ch.param_bytes(ch.make_mlp(width, depth))
-    layer_bytes = (width * width + width) * 4
-    assert all(sum(it) == grad_bytes for it in sizes), sizes
-    assert len(sizes[0]) == 1, f"first iteration: one bucket expected, got {sizes[0]}"
-    cap = (cap_mb or 25) * 2**20
-    for later in sizes[1:]:
-        assert len(later) > 1
-        assert all(b <= cap + layer_bytes for b in later), later
-    if cap_mb is None:  # the small first bucket
-        assert sizes[1][0] <= dist._DEFAULT_FIRST_BUCKET_BYTES + layer_bytes
+@pytest.fixture(scope="module")
+def bucket_sizes():
+    return run_ranks(ch.ddp_bucket_sizes_by_cap, 2, [None, 25, 2], 512, 12)[0]
+
+
+def test_ddp_uses_one_bucket_in_the_first_iteration_whatever_the_cap(bucket_sizes):
+    grad_bytes = ch.param_bytes(ch.make_mlp(512, 12))
+    for cap, sizes in bucket_sizes.items():
+        assert all(sum(it) == grad_bytes for it in sizes), (cap, sizes)
+        assert sizes[0] == [grad_bytes], f"bucket_cap_mb={cap}: first iteration {sizes[0]}"
+
+
+def test_the_small_first_bucket_exists_only_when_the_cap_is_left_at_its_default(bucket_sizes):
+    grad_bytes = ch.param_bytes(ch.make_mlp(512, 12))
+    layer_bytes = (512 * 512 + 512) * 4
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES
+    assert first == 2**20
+    # default: a first bucket of one layer (it closes once it reaches 1 MiB), then the rest
+    for later in bucket_sizes[None][1:]:
+        assert later == [layer_bytes, grad_bytes - layer_bytes], later
+    # 25 written out, the default's own value: no small bucket, everything fits in one
+    for later in bucket_sizes[25][1:]:
+        assert later == [grad_bytes], later
+    # 2: every bucket, the first included, fills to the cap: two layers each
+    for later in bucket_sizes[2][1:]:
+        assert later == [2 * layer_bytes] * 6, later
+        assert later[0] > first
+
+
+def _first_bucket_parameter_names(rank, world_size):
+    model = ch.make_mlp(512, 12, seed=rank)
+    ddp = ch._ddp(model)
+    names = {p.data_ptr(): n for n, p in model.named_parameters()}
+    buckets = []
+
+    def hook(state, bucket):
+        buckets.append([names[p.data_ptr()] for p in bucket.parameters()])
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(
+            lambda f: f.value()[0])
+
+    ddp.register_comm_hook(None, hook)
+    for _ in range(2):
+        buckets.clear()
+        ddp(torch.randn(4, 512)).sum().backward()
+    return buckets[0]
+
+
+def test_the_small_first_bucket_holds_the_last_layer_whose_gradients_arrive_first(no_orphans):
+    assert run_ranks(_first_bucket_parameter_names, 2)[0] == ["22.bias", "22.weight"]
 
 
 def test_ddp_launches_all_reduces_before_backward_is_done(no_orphans):
@@ -259,6 +294,14 @@ CITED_FIRST_LINES = {
     "ddp_gradient_as_bucket_view": "gradient_as_bucket_view (bool)",
     "fsdp_all_gather": "class DefaultAllGather",
     "fsdp_reduce_scatter": "class DefaultReduceScatter",
+    "ddp_first_bucket_only_default": "# First bucket optimization",
+    "ddp_reducer_first_bucket_cap": "# First bucket can be smaller",
+}
+
+# And a line inside the range that makes the lesson's point, where the first line alone does not.
+CITED_CONTENT = {
+    "ddp_first_bucket_only_default": "_DEFAULT_FIRST_BUCKET_BYTES if is_using_default else bucket_bytes_cap",
+    "ddp_reducer_first_bucket_cap": "self._bucket_config.first_bucket_bytes_cap",
 }
 
 
@@ -271,4 +314,6 @@ def test_cited_source_lines_are_what_the_lesson_says():
         lines = (site / path).read_text().splitlines()
         assert CITED_FIRST_LINES[name] in lines[first - 1], (name, lines[first - 1])
         assert last <= len(lines) and first <= last
+        if name in CITED_CONTENT:
+            assert any(CITED_CONTENT[name] in line for line in lines[first - 1:last]), name
         assert ch.source_link(name).endswith(f"{path}#L{first}-L{last}")

@@ -255,11 +255,21 @@ for r in gpu_rows or []:
 #   accumulation ([L1437-1449](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1437-L1449)); when a bucket's
 #   gradients are all ready it launches that bucket's all-reduce, while backward goes on;
 # * `bucket_cap_mb` defaults to **25, in MiB** (`_DEFAULT_BUCKET_CAP_MB = 25`,
-#   `_MB_TO_BYTES = 1024 * 1024`, [L31-33](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L31-L33)), with a
-#   smaller first bucket (`dist._DEFAULT_FIRST_BUCKET_BYTES`); and in the **first** iteration all
-#   parameters go in a single bucket (unless `find_unused_parameters=True` without `static_graph`)
+#   `_MB_TO_BYTES = 1024 * 1024`, [L31-33](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L31-L33)).
+#   In the **first** iteration all parameters go in a single bucket (unless
+#   `find_unused_parameters=True` without `static_graph`)
 #   ([L150-154](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L150-L154)); the buckets are rebuilt after it,
-#   in the order the gradients actually arrived.
+#   in the order the gradients actually arrived;
+# * the rebuilt buckets start with a **small first bucket**, `dist._DEFAULT_FIRST_BUCKET_BYTES`
+#   (1 MiB), **only when `bucket_cap_mb` is left at its default**. `_BucketCapacityConfig.create`
+#   sets the first bucket's cap to 1 MiB if `bucket_cap_mb is None`, and to `bucket_cap_mb`
+#   itself otherwise
+#   ([L106-110](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L106-L110));
+#   DDP hands that cap to the Reducer
+#   ([L1452-1454](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1452-L1454)),
+#   whose `Reducer::rebuild_buckets` (`torch/csrc/distributed/c10d/reducer.cpp`) uses it for the
+#   first bucket, in the order gradients arrive (the model's last layers). So passing
+#   `bucket_cap_mb=25`, the default's own value, gives other buckets than passing nothing.
 #
 # Each claim, measured.
 #
@@ -278,20 +288,31 @@ for r in run_ranks(ch.ddp_broadcast_at_construction, 2):
 #
 # A DDP communication hook ([comm hooks](https://docs.pytorch.org/docs/stable/ddp_comm_hooks.html))
 # receives every bucket before it is all-reduced; ours records its size and then all-reduces it. The
-# model: 12 x Linear(512, 512), 12.6 MB of gradients.
+# model: 12 x Linear(512, 512), 12.02 MiB of gradients; `bucket_cap_mb` left at its default, set
+# to 25 (the default's value), and set to 2.
 
 # %%
 from torch.nn.parallel import distributed as ddp_source
 
-print("default bucket_cap_mb:", ddp_source._DEFAULT_BUCKET_CAP_MB, "MiB; first bucket:",
-      torch.distributed._DEFAULT_FIRST_BUCKET_BYTES / 2**20, "MiB")
-for cap in (None, 2):
-    sizes = run_ranks(ch.ddp_bucket_sizes, 2, cap)[0]
+print("default bucket_cap_mb:", ddp_source._DEFAULT_BUCKET_CAP_MB, "MiB; first bucket when left "
+      "at the default:", torch.distributed._DEFAULT_FIRST_BUCKET_BYTES / 2**20, "MiB")
+for cap, sizes in run_ranks(ch.ddp_bucket_sizes_by_cap, 2, [None, 25, 2])[0].items():
     for i, it in enumerate(sizes):
         print(f"bucket_cap_mb={cap}: iteration {i + 1}: "
               + " + ".join(f"{b / 2**20:.2f}" for b in it) + " MiB")
 
 # %% [markdown]
+# Every first iteration is one bucket of all 12.02 MiB. From the second on:
+#
+# * left at its **default**, the first bucket is the small one: the last layer's bias and
+#   weight, 1.00 MiB (a bucket closes as soon as it reaches its cap, so it passes it by less than
+#   one tensor: 1 MiB + 2 KiB here), then the rest, which fits under the 25 MiB cap;
+# * **`bucket_cap_mb=25`**, the same value written out, has **no** small first bucket: the first
+#   bucket's cap is the 25 MiB you passed, and all 12.02 MiB fit in it — one bucket, so for this
+#   model no all-reduce starts before backward is done;
+# * **`bucket_cap_mb=2`**: no 1 MiB bucket either; every bucket, the first included, fills to the
+#   2 MiB cap: two layers, 2.00 MiB each.
+#
 # ### 2.3 All-reduce overlaps backward
 #
 # The order of events in the second backward of 8 x Linear(512, 512) with 1 MiB buckets: when each
@@ -450,7 +471,8 @@ for billions in (1, 3, 7, 13, 70):
 #   DataParallel docs warn about it); only in-place updates on device 0's replica survive.
 # * **DDP keeps the gradients twice by default**: `gradient_as_bucket_view=True` removes the copy.
 # * **`bucket_cap_mb` is MiB**, and the first iteration uses one bucket: measure bucketing from the
-#   second iteration on.
+#   second iteration on. Setting it at all, even to the default's 25, drops the small 1 MiB first
+#   bucket.
 # * **FSDP2**: build the optimizer *after* `fully_shard` (on the DTensor parameters), and call
 #   `model(x)`, not `model.forward(x)`, or the all-gather hooks do not run.
 # * **Don't carry CPU timings to GPUs**: on a CPU a replica is a cheap memcpy and gloo is slow; the

@@ -50,6 +50,9 @@ SOURCE = {
     "ddp_gradient_as_bucket_view": ("torch/nn/parallel/distributed.py", 731, 735),
     "fsdp_all_gather": ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 111, 124),
     "fsdp_reduce_scatter": ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 175, 190),
+    # DDP's small first bucket: only when bucket_cap_mb is left at its default.
+    "ddp_first_bucket_only_default": ("torch/nn/parallel/distributed.py", 106, 110),
+    "ddp_reducer_first_bucket_cap": ("torch/nn/parallel/distributed.py", 1452, 1454),
 }
 
 
@@ -308,6 +311,12 @@ def ddp_bucket_sizes(rank: int, world_size: int, bucket_cap_mb: float | None = N
         ddp(torch.randn(4, width)).sum().backward()
         sizes.append([b["bytes"] for b in seen])
     return sizes
+
+
+def ddp_bucket_sizes_by_cap(rank: int, world_size: int, caps, width: int = 512,
+                            depth: int = 12, iterations: int = 3) -> dict:
+    """``ddp_bucket_sizes`` for each ``bucket_cap_mb`` in ``caps`` (None: left at its default)."""
+    return {cap: ddp_bucket_sizes(rank, world_size, cap, width, depth, iterations) for cap in caps}
 
 
 def ddp_event_log(rank: int, world_size: int, bucket_cap_mb: float = 1.0, width: int = 512,
