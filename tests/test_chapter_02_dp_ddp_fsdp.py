@@ -97,6 +97,23 @@ def test_ddp_broadcasts_rank_0_parameters_at_construction(no_orphans):
     assert r0["checksum_after"] == r1["checksum_after"] == r0["checksum_before"]
 
 
+def test_ddp_rebroadcasts_rank_0_buffers_at_every_forward_by_default(no_orphans):
+    both = run_ranks(ch.ddp_buffer_sync_both, 2)
+    r0, r1 = (r["default"] for r in both)
+    off0, off1 = (r["off"] for r in both)
+    assert r0["forward_sync_buffers"] is True and off0["forward_sync_buffers"] is False
+    for a, b in ((r0, r1), (off0, off1)):
+        assert a["params"] == b["params"]  # parameters stay equal either way
+        assert a["inside"][0] == b["inside"][0]  # equal at the start (construction broadcast)
+        assert a["after"][0] != b["after"][0]  # each rank's BatchNorm saw its own batch
+        assert a["after"][1] != b["after"][1]  # and again after the last step
+    # default: step 2's forward starts with rank 0's running mean on every rank, bit for bit
+    assert r0["inside"][1] == r1["inside"][1] == r0["after"][0]
+    # off: each rank keeps its own
+    assert off0["inside"][1] == off0["after"][0] and off1["inside"][1] == off1["after"][0]
+    assert off1["inside"][1] != off0["after"][0]
+
+
 @pytest.fixture(scope="module")
 def bucket_sizes():
     return run_ranks(ch.ddp_bucket_sizes_by_cap, 2, [None, 25, 2], 512, 12)[0]
@@ -294,12 +311,22 @@ CITED_FIRST_LINES = {
     "ddp_gradient_as_bucket_view": "gradient_as_bucket_view (bool)",
     "fsdp_all_gather": "class DefaultAllGather",
     "fsdp_reduce_scatter": "class DefaultReduceScatter",
+    "ddp_forward_sync_buffers_default": "if forward_sync_buffers is not None",
+    "ddp_pre_forward_sync_buffers": "if self._check_sync_bufs_pre_fwd()",
+    "ddp_forward_param_sync_flag": "if torch.is_grad_enabled() and self.require_backward_grad_sync",
+    "ddp_will_sync_module_buffers": "def will_sync_module_buffers(",
+    "ddp_sync_buffers_from_rank_0": "def _sync_buffers(",
     "ddp_first_bucket_only_default": "# First bucket optimization",
     "ddp_reducer_first_bucket_cap": "# First bucket can be smaller",
 }
 
 # And a line inside the range that makes the lesson's point, where the first line alone does not.
 CITED_CONTENT = {
+    "ddp_forward_sync_buffers_default": "broadcast_buffers if broadcast_buffers is not None else True",
+    "ddp_pre_forward_sync_buffers": "self._sync_buffers()",
+    "ddp_forward_param_sync_flag": "self.require_forward_param_sync = False",
+    "ddp_will_sync_module_buffers": "len(self.modules_buffers) > 0",
+    "ddp_sync_buffers_from_rank_0": "authoritative_rank = 0",
     "ddp_first_bucket_only_default": "_DEFAULT_FIRST_BUCKET_BYTES if is_using_default else bucket_bytes_cap",
     "ddp_reducer_first_bucket_cap": "self._bucket_config.first_bucket_bytes_cap",
 }

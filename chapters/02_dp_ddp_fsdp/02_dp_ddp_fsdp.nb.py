@@ -175,7 +175,7 @@ plt.show()
 #   iteration, 2(n-1) x P bytes on its link, while a ring all-reduce moves 2(n-1)/n x P per rank,
 #   spread over all links (right panel: 6 P vs 1.5 P at n = 4);
 # * DP's gradient sum is one autograd node over all parameters, so it runs after the replicas'
-#   backward is done; DDP launches each bucket's all-reduce during backward (section 2.3);
+#   backward is done; DDP launches each bucket's all-reduce during backward (section 2.4);
 # * one Python process drives all devices: its threads contend for the GIL (PyTorch's
 #   [distributed overview](https://github.com/pytorch/tutorials/blob/b85d4791f69bea78daff208b654c2207173a25a7/beginner_source/dist_overview.rst)
 #   names this and the per-iteration replication as DP's costs), and the loss, the optimizer step
@@ -250,7 +250,21 @@ for r in gpu_rows or []:
 # * **at construction**, rank 0's parameters and buffers are broadcast to every rank
 #   (`_sync_module_states(..., src=0)`,
 #   [distributed.py L1062-1073](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1062-L1073),
-#   [utils.py L289-328](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L328)) — then never again;
+#   [utils.py L289-328](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L328)).
+#   The **parameters** are never broadcast again: every rank applies the same all-reduced
+#   gradients, so they stay equal;
+# * the **buffers** (BatchNorm's running statistics, for example) **are broadcast from rank 0
+#   again at the start of every forward**, by default: `_pre_forward` calls `_sync_buffers`
+#   ([L1781-1782](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1781-L1782)),
+#   which broadcasts every buffer from rank 0
+#   ([L2405-2425](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2405-L2425)),
+#   whenever `will_sync_module_buffers()` holds
+#   ([L2382-2387](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2382-L2387)):
+#   the module has buffers, `forward_sync_buffers` is on, and the previous forward ran with
+#   gradients enabled outside `no_sync`
+#   ([L1828-1841](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1828-L1841)).
+#   `forward_sync_buffers` is torch 2.13's new name for `broadcast_buffers`; left at `None`, it
+#   is on ([L982-990](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L982-L990));
 # * a C++ `Reducer` groups the gradients into **buckets** and hooks every parameter's gradient
 #   accumulation ([L1437-1449](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1437-L1449)); when a bucket's
 #   gradients are all ready it launches that bucket's all-reduce, while backward goes on;
@@ -284,7 +298,38 @@ for r in run_ranks(ch.ddp_broadcast_at_construction, 2):
           f"after {r['checksum_after']:+.6f}")
 
 # %% [markdown]
-# ### 2.2 Buckets, read from the buckets themselves
+# ### 2.2 Buffers: broadcast again at every forward
+#
+# Both ranks train the same Linear + BatchNorm1d for two SGD steps, each on its own data (rank
+# *r*'s inputs have mean 3*r*). BatchNorm updates its running mean from the batch it sees, so
+# after step 1 the ranks' running means differ. A forward pre-hook on the BatchNorm layer reads
+# the running mean when step 2's forward reaches it, i.e. after DDP's `_pre_forward`. With the
+# default, both ranks then hold **rank 0's** running mean, bit for bit; with
+# `forward_sync_buffers=False` each keeps its own. After step 2 they differ again: the last
+# step's update stays rank-local until the next forward.
+
+# %%
+buffers = run_ranks(ch.ddp_buffer_sync_both, 2)
+for mode, title in (("default", "default (forward_sync_buffers=None -> True)"),
+                    ("off", "forward_sync_buffers=False")):
+    r0, r1 = (b[mode] for b in buffers)
+    print(f"{title}: running_mean[0] per rank")
+    for r in (r0, r1):
+        print(f"  rank {r['rank']}: after step 1 {r['after'][0][0]:+.6f} | "
+              f"inside step 2's forward {r['inside'][1][0]:+.6f} | after step 2 {r['after'][1][0]:+.6f}")
+    print(f"  after step 1, ranks equal: {r0['after'][0] == r1['after'][0]}; inside step 2, "
+          f"rank 1 == rank 0's after step 1: {r1['inside'][1] == r0['after'][0]}; "
+          f"after step 2, ranks equal: {r0['after'][1] == r1['after'][1]}; "
+          f"parameters equal: {r0['params'] == r1['params']}")
+
+# %% [markdown]
+# So under DDP, BatchNorm's running statistics are **rank 0's**, refreshed from rank 0 at each
+# training forward — not an average over ranks (`SyncBatchNorm` computes batch statistics over
+# all ranks). After the last training step each rank holds its own update: evaluate and save
+# from rank 0. The broadcast costs one collective per forward, which a model without buffers
+# never pays (`will_sync_module_buffers` checks `len(self.modules_buffers) > 0`).
+#
+# ### 2.3 Buckets, read from the buckets themselves
 #
 # A DDP communication hook ([comm hooks](https://docs.pytorch.org/docs/stable/ddp_comm_hooks.html))
 # receives every bucket before it is all-reduced; ours records its size and then all-reduces it. The
@@ -313,7 +358,7 @@ for cap, sizes in run_ranks(ch.ddp_bucket_sizes_by_cap, 2, [None, 25, 2])[0].ite
 # * **`bucket_cap_mb=2`**: no 1 MiB bucket either; every bucket, the first included, fills to the
 #   2 MiB cap: two layers, 2.00 MiB each.
 #
-# ### 2.3 All-reduce overlaps backward
+# ### 2.4 All-reduce overlaps backward
 #
 # The order of events in the second backward of 8 x Linear(512, 512) with 1 MiB buckets: when each
 # layer's weight gradient lands (a post-accumulate-grad hook) and when each bucket's all-reduce is
@@ -473,6 +518,9 @@ for billions in (1, 3, 7, 13, 70):
 # * **`bucket_cap_mb` is MiB**, and the first iteration uses one bucket: measure bucketing from the
 #   second iteration on. Setting it at all, even to the default's 25, drops the small 1 MiB first
 #   bucket.
+# * **BatchNorm under DDP keeps rank 0's running statistics**, re-broadcast at every training
+#   forward; after the last step each rank holds its own update, so evaluate and checkpoint from
+#   rank 0 (or use `SyncBatchNorm` for batch statistics over all ranks).
 # * **FSDP2**: build the optimizer *after* `fully_shard` (on the DTensor parameters), and call
 #   `model(x)`, not `model.forward(x)`, or the all-gather hooks do not run.
 # * **Don't carry CPU timings to GPUs**: on a CPU a replica is a cheap memcpy and gloo is slow; the
@@ -482,8 +530,10 @@ for billions in (1, 3, 7, 13, 70):
 #
 # * DP: one process, threads, the model re-replicated from device 0 every forward, gradients summed
 #   onto device 0; device 0 holds the parameters, gradients, optimizer state and gathered outputs.
-# * DDP: one process per device, rank 0's state broadcast once, gradients all-reduced in buckets
-#   (25 MiB) during backward; every rank holds **everything** — 4 x the parameters with Adam, 5 x
+# * DDP: one process per device; rank 0's parameters broadcast once, at construction; rank 0's
+#   buffers broadcast again at the start of every training forward (by default); gradients
+#   all-reduced in buckets (25 MiB; a 1 MiB first bucket only when `bucket_cap_mb` is left
+#   unset) during backward; every rank holds **everything** — 4 x the parameters with Adam, 5 x
 #   with the default bucket copy.
 # * FSDP2: every rank holds 1/N of parameters, gradients and optimizer state, all-gathers each
 #   layer just in time, reduce-scatters gradients; 1.5 x DDP's traffic.

@@ -8,7 +8,8 @@ Three groups of functions:
   explicitly what it does on GPUs every iteration - scatter, replicate, apply, gather, and the
   backward that sums every replica's gradient onto device 0 - and time each phase.
 * DDP's mechanism and cost, as rank functions for ``run_ranks`` or torchrun
-  (``ddp_costs``, ``ddp_broadcast_at_construction``, ``ddp_bucket_sizes``, ``ddp_event_log``).
+  (``ddp_costs``, ``ddp_broadcast_at_construction``, ``ddp_buffer_sync``, ``ddp_bucket_sizes``,
+  ``ddp_event_log``).
 * What each rank holds in memory under DDP and FSDP2 ``fully_shard`` after one Adam step,
   counted tensor by tensor (``ddp_memory``, ``fsdp_memory``, ``memory_per_rank``).
 
@@ -50,6 +51,12 @@ SOURCE = {
     "ddp_gradient_as_bucket_view": ("torch/nn/parallel/distributed.py", 731, 735),
     "fsdp_all_gather": ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 111, 124),
     "fsdp_reduce_scatter": ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 175, 190),
+    # DDP's buffers: broadcast from rank 0 at the start of every forward, by default.
+    "ddp_forward_sync_buffers_default": ("torch/nn/parallel/distributed.py", 982, 990),
+    "ddp_pre_forward_sync_buffers": ("torch/nn/parallel/distributed.py", 1781, 1782),
+    "ddp_forward_param_sync_flag": ("torch/nn/parallel/distributed.py", 1828, 1841),
+    "ddp_will_sync_module_buffers": ("torch/nn/parallel/distributed.py", 2382, 2387),
+    "ddp_sync_buffers_from_rank_0": ("torch/nn/parallel/distributed.py", 2405, 2425),
     # DDP's small first bucket: only when bucket_cap_mb is left at its default.
     "ddp_first_bucket_only_default": ("torch/nn/parallel/distributed.py", 106, 110),
     "ddp_reducer_first_bucket_cap": ("torch/nn/parallel/distributed.py", 1452, 1454),
@@ -286,6 +293,55 @@ def ddp_broadcast_at_construction(rank: int, world_size: int) -> dict:
     _ddp(model)
     after = torch.cat([p.detach().flatten() for p in model.parameters()]).sum().item()
     return {"rank": rank, "checksum_before": before, "checksum_after": after}
+
+
+def _buffer_sync_kwargs(sync: bool) -> dict:
+    """DDP's switch for broadcasting buffers in forward: ``forward_sync_buffers`` since torch
+    2.13 (default None, meaning True), ``broadcast_buffers`` (default True) before it."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    name = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+            else "broadcast_buffers")
+    return {name: sync}
+
+
+def ddp_buffer_sync(rank: int, world_size: int, forward_sync_buffers: bool | None = None,
+                    steps: int = 2) -> dict:
+    """BatchNorm's running mean on each rank, around DDP's buffer broadcast.
+
+    Every rank trains the same Linear + BatchNorm1d on its own data (mean 3 x rank), ``steps``
+    SGD steps. Recorded per step: ``inside`` - the running mean as BatchNorm sees it when the
+    forward reaches it, i.e. after whatever DDP did at the start of the forward; ``after`` -
+    the running mean after the step (BatchNorm updated it from this rank's batch).
+    ``forward_sync_buffers=None`` leaves DDP's default.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    bn = model[1]
+    inside: list[list[float]] = []
+    bn.register_forward_pre_hook(lambda module, args: inside.append(module.running_mean.tolist()))
+    kwargs = {} if forward_sync_buffers is None else _buffer_sync_kwargs(forward_sync_buffers)
+    ddp = _ddp(model, **kwargs)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    torch.manual_seed(1 + rank)
+    after: list[list[float]] = []
+    for _ in range(steps):
+        x = torch.randn(16, 4) + 3.0 * rank
+        optimizer.zero_grad()
+        ddp(x).square().mean().backward()
+        optimizer.step()
+        after.append(bn.running_mean.tolist())
+    params = torch.cat([q.detach().flatten() for q in model.parameters()])
+    return {"rank": rank, "inside": inside, "after": after, "params": params.tolist(),
+            "forward_sync_buffers": getattr(ddp, "forward_sync_buffers", None)}
+
+
+def ddp_buffer_sync_both(rank: int, world_size: int, steps: int = 2) -> dict:
+    """``ddp_buffer_sync`` with DDP's default, then with the forward broadcast turned off."""
+    return {"default": ddp_buffer_sync(rank, world_size, None, steps),
+            "off": ddp_buffer_sync(rank, world_size, False, steps)}
 
 
 def _recording_allreduce_hook(state: list, bucket):
