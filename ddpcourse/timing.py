@@ -24,6 +24,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -158,7 +159,7 @@ class Verdict:
 
     def __str__(self) -> str:
         head = ("conclusive" if self.conclusive else
-                "TOO LOADED TO CONCLUDE: read the recorded reference run; rerun this cell on a "
+                "TOO LOADED TO CONCLUDE: read the recorded reference run instead; rerun on a "
                 "quiet machine to compare")
         return head + "".join(f"\n  - {reason}" for reason in self.reasons)
 
@@ -216,7 +217,7 @@ def reference_header(command: str, load: Load, note: str = "") -> dict:
 def command_line() -> str:
     """This process's command as a reader would type it from the repository root."""
     args = list(sys.argv)
-    return " ".join(["python"] + args) if args and args[0].endswith(".py") else " ".join(args)
+    return shlex.join(["python"] + args if args and args[0].endswith(".py") else args)
 
 
 class IncompleteRecord(ValueError):
