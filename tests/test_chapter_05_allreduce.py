@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddpcourse import timing
 from ddpcourse.launcher import RankTimeoutError, run_bounded, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +53,8 @@ def test_ring_sends_2_n_minus_1_over_n_and_naive_loads_rank_0(no_orphans):
             assert sent["ring"]["bytes"] == 2 * (world_size - 1) * nbytes // world_size
         assert results[0]["naive"]["bytes"] == (world_size - 1) * nbytes
         assert all(r["naive"]["bytes"] == nbytes for r in results[1:])
+        if world_size == 2:  # the same two exchanges: any gap in their timings is noise
+            assert all(sent["halving_doubling"] == sent["ring"] for sent in results)
     hd = run_ranks(traffic, 4, timeout=30)
     assert all(s["halving_doubling"]["messages"] == 4 for s in hd)  # 2 log2(4) steps, not 6
     assert all(s["halving_doubling"]["bytes"] == 2 * 3 * nbytes // 4 for s in hd)
@@ -103,10 +106,31 @@ def test_benchmark_script_writes_json_with_every_field(tmp_path, no_orphans):
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])  # 2(N-1)/N = 1 at N = 2
     assert set(report["ring_over_gloo_busbw"]) == {"4096", "102400"}
+    # a complete reference record: machine, date, torch, the command that reproduces it, load
+    record = timing.load_reference(out)
+    assert record["command"] == (
+        "torchrun --standalone --nproc_per_node 2 chapters/05_allreduce/ring_vs_gloo.py "
+        f"--sizes 4K 100K --repeats 2 --out {out}")
+    assert record["torch"] == torch.__version__ and record["load"]["cores"] >= 1
+    assert isinstance(report["conclusive"], bool) and report["verdict"]
+    assert report["verdict"] in done.stdout
+
+
+def test_ring_and_halving_doubling_gap_is_the_ratio_of_their_times():
+    rows = [{"bytes": 8, "algorithm": "ring", "time_s": 3.0},
+            {"bytes": 8, "algorithm": "halving_doubling", "time_s": 2.0},
+            {"bytes": 8, "algorithm": "gloo", "time_s": 1.0}]
+    assert ring_vs_gloo.same_algorithm_gap(rows) == {8: 1.5}
 
 
 def test_bus_bandwidth_factor_and_size_parsing():
     assert ring_vs_gloo.bus_factor(4) == 1.5 and ring_vs_gloo.bus_factor(2) == 1.0
+    # nccl-tests' in-network reduction factor, (n-1)/(n+1)
+    assert ring_vs_gloo.bus_factor(8, in_network=True) == pytest.approx(7 / 9)
+    assert ring_vs_gloo.bus_factor(2, in_network=True) == pytest.approx(1 / 3)
+    for n in (2, 4, 8, 72):  # the switch's additions: algbw 2(N+1)/N higher at the same busbw
+        assert ring_vs_gloo.bus_factor(n) / ring_vs_gloo.bus_factor(n, in_network=True) == \
+            pytest.approx(2 * (n + 1) / n)
     assert [ring_vs_gloo.parse_size(s) for s in ("4K", "16M", "64MiB", "100")] == [
         4096, 16 * 2**20, 64 * 2**20, 100]
     rows = [{"bytes": 8, "algorithm": "ring", "busbw_GBps": 0.9},

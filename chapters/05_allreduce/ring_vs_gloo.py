@@ -2,10 +2,11 @@
 
     torchrun --standalone --nproc_per_node 2 chapters/05_allreduce/ring_vs_gloo.py
 
-The full sweep of the lesson (4 KiB to 64 MiB, 2 and 4 ranks, about a minute each on 2 cores):
+The full sweep of the lesson (4 KiB to 64 MiB, 2 and 4 ranks, about a minute each on 2 cores),
+recorded as the chapter's reference runs (run them on a quiet machine; ``--note`` says how quiet):
 
-    torchrun --standalone --nproc_per_node 2 chapters/05_allreduce/ring_vs_gloo.py --full --out ws2.json
-    torchrun --standalone --nproc_per_node 4 chapters/05_allreduce/ring_vs_gloo.py --full --out ws4.json
+    torchrun --standalone --nproc_per_node 2 chapters/05_allreduce/ring_vs_gloo.py --full --out benchmarks/results/ch05_ring_vs_gloo_ws2.json
+    torchrun --standalone --nproc_per_node 4 chapters/05_allreduce/ring_vs_gloo.py --full --out benchmarks/results/ch05_ring_vs_gloo_ws4.json
 
 For every message size, each algorithm (``ring`` and ``halving_doubling`` from
 hand_collectives.py, ``gloo``: ``dist.all_reduce``; NCCL when each rank has a GPU) is first
@@ -16,15 +17,19 @@ rank (a collective is done when its last rank is). The algorithms take turns ins
 timing is kept.
 Rank 0 prints time, ``algbw = bytes / time`` and ``busbw = algbw * 2(N-1)/N`` (the definitions
 of NVIDIA's nccl-tests, doc/PERFORMANCE.md) and the ring/gloo bus-bandwidth ratio, and writes
-everything to ``--out`` as JSON (the lesson notebook plots that file).
+everything to ``--out`` as JSON (the lesson notebook plots that file): the rows, and the fields of
+a reference record (``ddpcourse.timing.reference_header``: machine, date, torch version, this
+command, how busy the machine was before the timings) with the verdict of
+``ddpcourse.timing.judge`` on the repeats' spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import platform
+import shlex
 import statistics
 import sys
 import time
@@ -36,6 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hand_collectives, next to this file
 
 import hand_collectives  # noqa: E402
+from ddpcourse import timing  # noqa: E402
 from ddpcourse.dist_env import process_group  # noqa: E402
 
 ALGORITHMS = {
@@ -66,8 +72,29 @@ def calls_per_timing(nbytes: int) -> int:
     return max(1, min(10, 2**18 // max(nbytes, 1)))
 
 
-def bus_factor(world_size: int) -> float:
+def bus_factor(world_size: int, in_network: bool = False) -> float:
+    """busbw / algbw for all-reduce, as nccl-tests computes it (doc/PERFORMANCE.md, and
+    ``AllReduceGetBw`` in src/all_reduce.cu): ``2(N-1)/N``, the least traffic per rank of any
+    algorithm made of point-to-point sends and receives; ``(N-1)/(N+1)`` for in-network
+    reduction (the switch adds: NVLink SHARP, which nccl-tests assumes when NCCL_ALGO is NVLS or
+    NVLSTree)."""
+    if in_network:
+        return (world_size - 1) / (world_size + 1)
     return 2 * (world_size - 1) / world_size
+
+
+def same_algorithm_gap(rows: list[dict]) -> dict[int, float]:
+    """{bytes: time(ring) / time(halving_doubling)}: measured on 2 ranks, where both algorithms
+    send the very same two messages, it is 1 up to the noise of the machine."""
+    by = {(r["bytes"], r["algorithm"]): r["time_s"] for r in rows}
+    return {nbytes: by[(nbytes, "ring")] / by[(nbytes, "halving_doubling")]
+            for (nbytes, name) in by if name == "ring" and (nbytes, "halving_doubling") in by}
+
+
+def worst_gap(rows: list[dict]) -> tuple[int, float]:
+    """The (bytes, ring / halving_doubling time) of :func:`same_algorithm_gap` furthest from 1
+    (a ratio of 2 and one of 0.5 are as far)."""
+    return max(same_algorithm_gap(rows).items(), key=lambda item: abs(math.log(item[1])))
 
 
 def measure(rank: int, world_size: int, sizes: list[int], repeats: int = 5,
@@ -126,6 +153,23 @@ def busbw_ratios(rows: list[dict], numerator: str = "ring", denominator: str = "
             for (nbytes, name) in by if name == numerator and (nbytes, denominator) in by}
 
 
+def row_timings(rows: list[dict]) -> dict[str, timing.Timing]:
+    """Each (algorithm, size)'s repeats, named for :func:`ddpcourse.timing.judge`."""
+    return {f"{r['algorithm']} {human(r['bytes'])}": timing.Timing.of(r["timings_s"])
+            for r in rows}
+
+
+def launch_command(world_size: int, argv: list[str]) -> str:
+    """The torchrun command line that reproduces this run, from the repository root."""
+    script = Path(__file__).resolve()
+    try:
+        script = script.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return shlex.join(["torchrun", "--standalone", "--nproc_per_node", str(world_size), str(script),
+                       *argv])
+
+
 def format_table(rows: list[dict], world_size: int) -> str:
     names = list(dict.fromkeys(r["algorithm"] for r in rows))
     head = f"{'size':>9} " + " ".join(
@@ -158,25 +202,33 @@ def main() -> int:
                         help="timings per point (default 5; 10 with --full)")
     parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--note", default="", help="how loaded the machine was (for the record)")
     opts = parser.parse_args()
     sizes = [parse_size(s) for s in (opts.sizes or (FULL_SIZES if opts.full else QUICK_SIZES))]
     repeats = opts.repeats or (10 if opts.full else 5)
 
     with process_group(timeout_s=120) as ctx:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+        # How busy the machine is with other work, sampled by rank 0 while the other ranks wait
+        # in a barrier (after start-up, which keeps every core busy importing torch).
+        dist.barrier()
+        load = timing.machine_load(interval=1.0) if ctx.rank == 0 else None
+        dist.barrier()
         rows = measure(ctx.rank, ctx.world_size, sizes, repeats, opts.algorithms)
+        verdict = timing.judge(row_timings(rows), load) if ctx.rank == 0 else None
         ctx.print0(f"all-reduce on {ctx.world_size} ranks, backend {ctx.backend}, "
-                   f"median of {repeats} timings, load average {os.getloadavg()[0]:.2f}")
+                   f"median of {repeats} timings; before the timings: {load}")
         ctx.print0(format_table(rows, ctx.world_size))
+        ctx.print0(verdict)
         if ctx.rank == 0 and opts.out:
+            command = launch_command(ctx.world_size, sys.argv[1:])
             report = {
+                **timing.reference_header(command, load, opts.note),
                 "world_size": ctx.world_size, "backend": ctx.backend, "repeats": repeats,
-                "torch": torch.__version__, "host": platform.node(),
-                "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
-                "unix_time": time.time(), "rows": rows,
+                "verdict": str(verdict), "conclusive": verdict.conclusive, "rows": rows,
                 "ring_over_gloo_busbw": {str(k): v for k, v in busbw_ratios(rows).items()},
             }
-            opts.out.write_text(json.dumps(report, indent=1))
+            opts.out.write_text(json.dumps(report, indent=1) + "\n")
             ctx.print0(f"wrote {opts.out}")
         return 0 if all(r["correct"] for r in rows) else 1
 
