@@ -27,7 +27,7 @@ import scaling  # noqa: E402
 pytestmark = pytest.mark.usefixtures("no_orphans")
 ROW_KEYS = {"workload", "mode", "world_size", "batch_per_rank", "data_ms", "compute_ms",
             "comm_ms", "step_ms", "allreduce_ms", "gradient_bytes", "samples_per_s",
-            "comm_share", "epoch_s", "oversubscribed", "speedup"}
+            "comm_share", "epoch_s", "oversubscribed", "speedup", "step_ms_rounds"}
 QUICK = dict(steps=2, warmup=1)
 
 
@@ -104,6 +104,51 @@ def test_rounds_keep_one_row_per_world_size():
     rows = scaling.measure_scaling("tiny", world_sizes=(2, 1), rounds=2, **QUICK)
     assert [row["world_size"] for row in rows] == [2, 1]
     assert rows[0]["speedup"] == 1.0  # relative to the first world size given
+    for row in rows:  # the fastest round is kept, every round's step time is reported
+        assert len(row["step_ms_rounds"]) == 2 and row["step_ms"] == min(row["step_ms_rounds"])
+    named = scaling.round_timings(rows)
+    assert list(named) == ["tiny strong, 2 ranks", "tiny strong, 1 ranks"]
+    assert named["tiny strong, 2 ranks"].min == rows[0]["step_ms"]
+
+
+def test_work_per_step_is_counted_from_the_model():
+    heavy = scaling.work_per_step("heavy", 2)
+    # 256*512+512 + 512*512+512 + 512+1 parameters, float32
+    assert heavy["params"] == 394_753 and heavy["gradient_bytes"] == 4 * 394_753
+    assert heavy["batch_per_rank"] == 1024
+    assert heavy["flops_per_rank"] == 6 * 394_753 * 1024
+    assert heavy["bytes_sent_per_rank"] == 4 * 394_753  # 2(N-1)/N = 1 at N = 2
+    assert round(heavy["flops_per_byte_sent"]) == 1536  # the figure the lesson quotes
+    tiny = scaling.work_per_step("tiny", 2)
+    assert tiny["params"] == 1377 and round(tiny["flops_per_byte_sent"]) == 48
+    assert scaling.work_per_step("tiny", 1)["bytes_sent_per_rank"] == 0  # nothing to all-reduce
+    weak = scaling.work_per_step("heavy", 2, "weak")
+    assert weak["batch_per_rank"] == 2048 and round(weak["flops_per_byte_sent"]) == 3072
+    four = scaling.work_per_step("heavy", 4)
+    assert four["bytes_sent_per_rank"] == pytest.approx(1.5 * 4 * 394_753)
+
+
+def test_record_reference_writes_a_complete_record(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_measure(workload, world_sizes, mode, rounds):
+        calls.append((workload, tuple(world_sizes), mode, rounds))
+        return [{"workload": workload, "mode": mode, "world_size": n, "step_ms": 10.0,
+                 "step_ms_rounds": [10.0, 10.5]} for n in world_sizes]
+
+    monkeypatch.setattr(scaling, "measure_scaling", fake_measure)
+    monkeypatch.setattr(scaling.timing, "machine_load",
+                        lambda interval: scaling.timing.Load(1.5, 2, "given"))
+    monkeypatch.setattr(sys, "argv", ["chapters/01_why_ddp/scaling.py", "--record", "x.json"])
+    out = tmp_path / "ch01.json"
+    scaling.record_reference(out, (1, 2), rounds=2, note="busy")
+    assert calls == [("heavy", (1, 2), "strong", 2), ("tiny", (1, 2), "strong", 2),
+                     ("heavy", (1, 2), "weak", 2)]
+    record = scaling.timing.load_reference(out)
+    assert record["command"] == "python chapters/01_why_ddp/scaling.py --record x.json"
+    assert record["load"]["busy_cores"] == 1.5 and record["load"]["note"] == "busy"
+    assert record["conclusive"] is False and "TOO LOADED" in record["verdict"]
+    assert set(record["strong"]) == {"heavy", "tiny"} and set(record["weak"]) == {"heavy"}
 
 
 def test_heavy_workload_is_much_more_compute_per_gradient_byte():

@@ -2,10 +2,14 @@
 
     torchrun --standalone --nproc_per_node 2 chapters/01_why_ddp/scaling.py
     python chapters/01_why_ddp/scaling.py --world-sizes 1 2 4
+    python chapters/01_why_ddp/scaling.py --record benchmarks/results/ch01_scaling.json
 
 The first command measures the world size torchrun gives it; the second measures several world
 sizes one after the other, each in fresh ranks started by ``ddpcourse.launcher.run_ranks`` (the
-lesson notebook calls :func:`measure_scaling`, which does the same).
+lesson notebook calls :func:`measure_scaling`, which does the same). The third writes the
+chapter's recorded reference run: what the lesson plots beside its live run and draws its
+conclusions from (strong scaling of both workloads and weak scaling of ``heavy``, 5 rounds each,
+with the machine, date, torch version, command and load; run it on a quiet machine).
 
 Two workloads, both trained with DDP, the same loop, the same data pipeline (a DataLoader over a
 DistributedSampler):
@@ -32,7 +36,10 @@ rank, after warm-up steps that are not counted):
   hide (DDP overlaps it with the rest of backward, so this is the *exposed* part);
 * allreduce: one explicit all-reduce of a tensor as large as all the gradients, for reference.
 
-Normal and ``no_sync`` steps alternate, so slow phases of a noisy machine hit both alike. During
+Normal and ``no_sync`` steps alternate, so slow phases of a noisy machine hit both alike. With
+``rounds > 1`` each world size is measured that many times; the fastest round is kept, and the
+step times of all rounds say how much the runs disagreed (:func:`round_timings`, for
+``ddpcourse.timing.judge``). During
 the ``no_sync`` steps the replicas' weights drift apart; that does not matter here, because this
 script measures time, not training. Each rank runs one thread (``torch.set_num_threads(1)``), so
 one rank stands for one device; with more ranks than cores the ranks share cores
@@ -42,12 +49,14 @@ one rank stands for one device; with more ranks than cores the ranks share cores
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -55,6 +64,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddpcourse import timing
 from ddpcourse.launcher import run_ranks, usable_cores, wait_until_warm
 from ddpcourse.toys import make_model, make_regression
 
@@ -78,6 +88,7 @@ WORKLOADS = {
 EPOCH_SAMPLES = 20_000  # the source article's small data set; used to express step time per epoch
 COLUMNS = ("world_size", "batch_per_rank", "data_ms", "compute_ms", "comm_ms", "step_ms",
            "allreduce_ms", "samples_per_s", "comm_share", "epoch_s", "speedup", "oversubscribed")
+REFERENCE = "ch01_scaling.json"  # under benchmarks/results/: written by --record
 
 
 def _batches(loader: DataLoader, sampler: DistributedSampler) -> Iterator:
@@ -195,6 +206,27 @@ def measure_rank(rank: int, world_size: int, workload: str, mode: str = "strong"
     }
 
 
+def work_per_step(workload: str, world_size: int, mode: str = "strong") -> dict:
+    """What one step asks of each rank, counted, not timed: the same on every machine.
+
+    Parameters and gradient bytes come from the model itself. FLOPs use the usual estimate for a
+    dense network, 6 x parameters x samples (forward 2, backward 4: a multiply and an add per
+    weight and sample). A ring all-reduce makes each rank send 2(N-1)/N of the gradient bytes
+    (chapter 05 counts it), the least any point-to-point algorithm can.
+    """
+    spec = WORKLOADS[workload]
+    params = sum(p.numel() for p in
+                 make_model(0, in_features=spec.in_features, hidden=spec.hidden).parameters())
+    per_rank = spec.global_batch // world_size if mode == "strong" else spec.global_batch
+    gradient_bytes = 4 * params  # float32
+    sent = gradient_bytes * 2 * (world_size - 1) / world_size
+    flops = 6 * params * per_rank
+    return {"workload": workload, "mode": mode, "world_size": world_size, "params": params,
+            "batch_per_rank": per_rank, "gradient_bytes": gradient_bytes,
+            "flops_per_rank": flops, "bytes_sent_per_rank": sent,
+            "flops_per_byte_sent": flops / sent if sent else math.inf}
+
+
 def add_speedups(rows: list[dict]) -> list[dict]:
     """Speed-up of each row against the first (one rank): ratio of samples per second."""
     base = rows[0]["samples_per_s"]
@@ -210,16 +242,47 @@ def measure_scaling(workload: str, world_sizes: Sequence[int] = (1, 2, 4), mode:
     With ``rounds > 1`` every world size is measured that many times, the rounds interleaved
     (1, 2, 4, 1, 2, 4, ...), and the fastest run of each is kept: on a machine shared with other
     programs the least disturbed run is the best estimate of what the ranks themselves cost.
+    Every row also carries ``step_ms_rounds``, the step time of each round.
     """
     wait_until_warm()  # the launcher warms a rank server in the background: not during a timing
-    best: dict[int, dict] = {}
+    runs: dict[int, list[dict]] = {world_size: [] for world_size in world_sizes}
     for _ in range(rounds):
         for world_size in world_sizes:
-            row = run_ranks(measure_rank, world_size, workload, mode, steps, warmup, threads,
-                            timeout=timeout, relay_output=False)[0]
-            if world_size not in best or row["samples_per_s"] > best[world_size]["samples_per_s"]:
-                best[world_size] = row
-    return add_speedups([best[world_size] for world_size in world_sizes])
+            runs[world_size].append(
+                run_ranks(measure_rank, world_size, workload, mode, steps, warmup, threads,
+                          timeout=timeout, relay_output=False)[0])
+    rows = []
+    for world_size in world_sizes:
+        best = min(runs[world_size], key=lambda row: row["step_ms"])  # = most samples/s
+        rows.append({**best, "step_ms_rounds": [row["step_ms"] for row in runs[world_size]]})
+    return add_speedups(rows)
+
+
+def round_timings(rows: Sequence[dict]) -> dict[str, timing.Timing]:
+    """Each row's step times over its rounds, named for :func:`ddpcourse.timing.judge`."""
+    return {f"{r['workload']} {r['mode']}, {r['world_size']} ranks": timing.Timing.of(
+        r["step_ms_rounds"]) for r in rows}
+
+
+def record_reference(path: Path, world_sizes: Sequence[int] = (1, 2, 4), rounds: int = 5,
+                     note: str = "") -> dict:
+    """Measure what the lesson plots and write it, with everything that makes it reproducible,
+    to ``path`` (a JSON record for :func:`ddpcourse.timing.load_reference`)."""
+    before = timing.machine_load(interval=2.0)
+    strong = {name: measure_scaling(name, world_sizes, "strong", rounds=rounds)
+              for name in WORKLOADS}
+    weak = {"heavy": measure_scaling("heavy", world_sizes, "weak", rounds=rounds)}
+    after = timing.machine_load(interval=2.0)
+    rows = [row for runs in (strong, weak) for rows in runs.values() for row in rows]
+    verdict = timing.judge(round_timings(rows), timing.Load(max(before.busy, after.busy),
+                                                             before.cores, before.source))
+    record = timing.reference_header(timing.command_line(), before, note)
+    record["load"]["busy_cores_after"] = round(after.busy, 3)
+    record.update({"rounds": rounds, "world_sizes": list(world_sizes),
+                   "verdict": str(verdict), "conclusive": verdict.conclusive,
+                   "strong": strong, "weak": weak})
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -247,14 +310,24 @@ def main() -> int:
     parser.add_argument("--mode", choices=("strong", "weak"), default="strong")
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2, 4],
                         help="only without torchrun: the world sizes to measure one by one")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=int, default=None,
                         help="only without torchrun: measure each world size this many times and "
-                             "keep the fastest run")
+                             "keep the fastest run (default 1; 5 with --record)")
+    parser.add_argument("--record", type=Path, default=None,
+                        help="only without torchrun: write the lesson's reference run here")
+    parser.add_argument("--note", default="", help="with --record: how loaded the machine was")
     opts = parser.parse_args()
 
+    if "RANK" not in os.environ and opts.record:
+        record = record_reference(opts.record, opts.world_sizes, opts.rounds or 5, opts.note)
+        for mode in ("strong", "weak"):
+            for rows in record[mode].values():
+                print(format_table(rows), "\n")
+        print(record["verdict"], f"\nwrote {opts.record}", flush=True)
+        return 0
     if "RANK" not in os.environ:
         for workload in opts.workloads:
-            rows = measure_scaling(workload, opts.world_sizes, opts.mode, rounds=opts.rounds)
+            rows = measure_scaling(workload, opts.world_sizes, opts.mode, rounds=opts.rounds or 1)
             print(format_table(rows), "\n", flush=True)
         return 0
 
