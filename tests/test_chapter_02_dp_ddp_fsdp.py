@@ -2,7 +2,9 @@
 
 The memory numbers must satisfy exact relations (DDP: full parameters, gradients, 2 x Adam
 state and a bucket copy on every rank; FSDP2: a padded half on each of 2 ranks), the by-hand
-DataParallel step must compute DP's gradients, and the scripts must print their tables.
+DataParallel step must compute DP's gradients and count what it copies, DDP must re-broadcast
+rank 0's buffers at every forward and keep its small first bucket for the default cap only, the
+wire bytes must be the nccl-tests counts, and the scripts must print their tables.
 """
 
 from __future__ import annotations
@@ -69,16 +71,59 @@ def test_replicas_are_differentiable_copies_whose_gradients_reach_the_module():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in originals)
 
 
-def test_dp_mechanism_cost_returns_every_phase_and_consistent_byte_counts():
-    r = ch.dp_mechanism_cost(64, depth=2, n_devices=3, batch=12, repeats=2)
+def test_dp_mechanism_cost_counts_what_one_iteration_copies_and_times_every_phase():
+    r = ch.dp_mechanism_cost(64, depth=2, n_devices=3, batch=12, repeats=3)
     phases = ["scatter_s", "replicate_s", "apply_s", "gather_s", "backward_s"]
     for key in phases + ["step_s"]:
-        assert r[key] > 0, key
-    assert r["step_s"] == pytest.approx(sum(r[p] for p in phases))
+        assert 0 < r[key] <= r[key[:-2] + "_median_s"], key
+    assert sum(r[p] for p in phases) <= r["step_s"] * (1 + 1e-9)  # min of sums >= sum of mins
     assert r["params"] == 2 * (64 * 64 + 64)
     assert r["param_bytes"] == 4 * r["params"]
-    assert r["bytes_sent_from_device0"] == 2 * r["param_bytes"]  # one replica per other device
-    assert r["bytes_reduced_onto_device0"] == 2 * r["param_bytes"]
+    # counted from the replicas themselves: 2 other devices, each a full copy of 5 modules
+    model = ch.make_mlp(64, 2)
+    replicas = ch.replicate_on_cpu(model, 2)
+    assert r["modules_replicated"] == sum(len(list(m.modules())) for m in replicas) == 2 * 5
+    # a replica's parameters are plain (non-leaf) tensors set on the shells, as in replicate.py
+    copied = [getattr(shell, name) for replica in replicas for shell in replica.modules()
+              for name in ("weight", "bias")
+              if isinstance(getattr(shell, name, None), torch.Tensor)]
+    assert r["replica_bytes"] == ch.tensor_bytes(copied) == 2 * r["param_bytes"]
+    # scatter sends chunks 2 and 3 of 12 rows x 64 floats; gather brings their outputs back
+    assert r["scatter_bytes"] == r["gather_bytes"] == 8 * 64 * 4
+
+
+def test_replicate_never_sees_the_batch():
+    from torch.nn.parallel.replicate import replicate
+    import inspect
+
+    assert list(inspect.signature(replicate).parameters) == ["network", "devices", "detach"]
+    small, large = (ch.dp_mechanism_cost(128, depth=2, batch=b, repeats=1) for b in (8, 256))
+    assert small["replica_bytes"] == large["replica_bytes"]
+    assert small["modules_replicated"] == large["modules_replicated"]
+    assert large["scatter_bytes"] == 32 * small["scatter_bytes"]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_wire_bytes_are_the_nccl_tests_counts_for_both_schemes(n):
+    p = 1000
+    wire = ch.link_bytes_per_step(n, p)
+    assert wire["dp_nccl"] == 2 * p  # broadcast + reduce, bus factor 1 each, whatever n
+    assert wire["ddp"] == pytest.approx(2 * (n - 1) / n * p)
+    assert wire["dp_nccl"] / wire["ddp"] == pytest.approx(n / (n - 1))  # 2x at n=2, 4/3 at n=4
+    assert wire["dp_copies"] == 2 * (n - 1) * p  # the old count: only without NCCL
+
+
+def test_timing_verdict_flags_a_loaded_run_and_passes_a_quiet_one():
+    rows = [{"a_s": 0.010, "a_median_s": 0.011, "b_s": 0.020, "b_median_s": 0.021,
+             "tiny_s": 1e-5, "tiny_median_s": 1e-3}]
+    spreads = ch.timing_spreads(rows, ["a", "b", "tiny"])
+    assert spreads == pytest.approx({"a": 1.1, "b": 1.05})  # under 1 ms: left out
+    readable, text = ch.timing_verdict(spreads)
+    assert readable and "readable" in text
+    rows[0]["b_median_s"] = 0.040
+    readable, text = ch.timing_verdict(ch.timing_spreads(rows, ["a", "b"]))
+    assert not readable and text.startswith("TOO LOADED TO CONCLUDE") and "(b)" in text
+    assert ch.timing_verdict({})[0] is False
 
 
 def test_dp_device_accounting_puts_persistent_state_on_device_0_only():
@@ -257,18 +302,29 @@ def test_memory_script_prints_the_table_and_its_checks():
     assert rows["FSDP2", 0][0] + rows["FSDP2", 1][0] == full
 
 
-def test_dp_mechanism_script_prints_one_row_per_model_size():
+def test_dp_mechanism_script_prints_counts_times_and_wire_bytes_per_model_size():
     done = run_script("torchrun --standalone --nproc_per_node 2 "
                       "chapters/02_dp_ddp_fsdp/dp_mechanism.py --widths 128 256")
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = [line for line in done.stdout.splitlines() if re.match(r"\s+\d+\s+[\d.]+ \|", line)]
-    assert len(rows) == 2, done.stdout
-    for line, width in zip(rows, (128, 256)):
-        numbers = [float(v) for v in re.findall(r"[\d.]+", line)]
-        assert numbers[0] == width and numbers[1] == pytest.approx(
-            ch.param_bytes(ch.make_mlp(width, 4)) / 1e6, abs=0.05)
-        assert all(v > 0 for v in numbers[2:]), line  # every cost measured, none zero
-    assert done.stdout.count("DataParallel by hand") == 1
+    out = done.stdout
+    assert out.count("DataParallel by hand") == 1  # rank 0 only
+    counted = [line.split() for line in out.splitlines()
+               if re.match(r"\s+\d+\s+[\d.]+\s+[\d.]+\s+\d+\s+[\d.]+$", line)]
+    timed = [line for line in out.splitlines() if re.match(r"\s+\d+\s+[\d.]+ \|", line)]
+    assert len(counted) == len(timed) == 2, out
+    for fields, line, width in zip(counted, timed, (128, 256)):
+        mb = ch.param_bytes(ch.make_mlp(width, 4)) / 1e6
+        assert int(fields[0]) == width and float(fields[1]) == pytest.approx(mb, abs=0.05)
+        assert float(fields[2]) == pytest.approx(mb, abs=0.05)  # one replica on 2 devices
+        assert int(fields[3]) == 9  # Sequential + 4 Linear + 4 Tanh
+        times = [float(v) for v in re.findall(r"[\d.]+", line.split("|", 1)[1])]
+        assert len(times) == 12 and all(v >= 0 for v in times), line  # fastest/median x 6
+    assert "TOO LOADED TO CONCLUDE" in out or "repeats agree" in out
+    wire = re.search(r"DP with NCCL ([\d.]+) MB, DDP ring all-reduce ([\d.]+) MB, "
+                     r"DP without NCCL ([\d.]+) MB", out)
+    assert wire, out
+    p = ch.param_bytes(ch.make_mlp(256, 4)) / 1e6
+    assert [float(v) for v in wire.groups()] == pytest.approx([2 * p, p, 2 * p], abs=0.06)
 
 
 def test_dataparallel_gpu_script_runs_as_documented():
@@ -311,6 +367,13 @@ CITED_FIRST_LINES = {
     "ddp_gradient_as_bucket_view": "gradient_as_bucket_view (bool)",
     "fsdp_all_gather": "class DefaultAllGather",
     "fsdp_reduce_scatter": "class DefaultReduceScatter",
+    "dp_replicate_every_forward": "replicas = self.replicate(self.module",
+    "replicate_broadcast_params": "_broadcast_coalesced_reshape(params, devices, detach)",
+    "replicate_broadcast_apply": "else:",
+    "broadcast_forward_coalesced": "comm.broadcast_coalesced(inputs, ctx.target_gpus)",
+    "broadcast_backward_reduce": "@staticmethod",
+    "comm_broadcast_coalesced": "def broadcast_coalesced(",
+    "comm_reduce_add_nccl": "if nccl.is_available(inputs)",
     "ddp_forward_sync_buffers_default": "if forward_sync_buffers is not None",
     "ddp_pre_forward_sync_buffers": "if self._check_sync_bufs_pre_fwd()",
     "ddp_forward_param_sync_flag": "if torch.is_grad_enabled() and self.require_backward_grad_sync",
@@ -322,6 +385,10 @@ CITED_FIRST_LINES = {
 
 # And a line inside the range that makes the lesson's point, where the first line alone does not.
 CITED_CONTENT = {
+    "replicate_broadcast_apply": "Broadcast.apply(devices, *tensors)",
+    "broadcast_backward_reduce": "ReduceAddCoalesced.apply(",
+    "comm_broadcast_coalesced": "torch._C._broadcast_coalesced(",
+    "comm_reduce_add_nccl": "nccl.reduce(",
     "ddp_forward_sync_buffers_default": "broadcast_buffers if broadcast_buffers is not None else True",
     "ddp_pre_forward_sync_buffers": "self._sync_buffers()",
     "ddp_forward_param_sync_flag": "self.require_forward_param_sync = False",

@@ -38,8 +38,10 @@
 # 4. "只有当你有32张以上A100且需要训千亿模型时才该认真评估FSDP" (*only with 32+ A100s and a
 #    hundred-billion-parameter model should you seriously evaluate FSDP*). **Wrong** as a rule: section 5.
 #
-# All cells run on a 2-core CPU laptop (gloo) in well under two minutes; a GPU-only cell says why it
-# skips.
+# All cells run on a 2-core CPU laptop (gloo); a GPU-only cell says why it skips. Times measured
+# here are live, printed with their spread (fastest / median) and a verdict on whether the
+# machine was quiet enough to read them; the conclusions rest on counts (bytes, modules, calls)
+# and on the PyTorch source.
 
 # %%
 import inspect
@@ -118,93 +120,156 @@ print(f"max |grad(DP by hand, 2 devices) - grad(one process, full batch)| = {err
 # %% [markdown]
 # ### 1.2 What DP pays every iteration, and what DDP pays once
 #
-# For MLPs from 1 MB to 67 MB of parameters (4 layers, width 256 to 2048) we time DP's phases (2
-# emulated devices), and, with `run_ranks` in 2 real gloo processes, DDP's two costs: its
-# construction (rank 0's parameters broadcast, buckets set up — once per run) and its per-step
-# gradient all-reduce (a step minus the same step under `no_sync`, so the part not hidden behind
-# backward). Times are the fastest of a few repeats: on a shared machine the slower runs measure
-# other processes.
+# For MLPs from 1 MB to 67 MB of parameters (4 layers, width 256 to 2048) the next cell first
+# **counts** what one DP iteration on 2 devices copies: the parameter bytes written into the
+# replica, the module shells built for it, the input and output bytes scatter and gather move.
+# Those numbers are the same on every machine. It then **times** DP's phases, and, with
+# `run_ranks` in 2 real gloo processes, DDP's two costs: its construction (rank 0's parameters
+# broadcast, buckets set up — once per run) and its per-step gradient all-reduce (a step minus
+# the same step under `no_sync`: the part not hidden behind backward). Each time is printed as
+# fastest / median of the repeats, and the cell ends with a verdict: when the medians stray far
+# from the fastest runs, other processes had the cores and the times are not worth reading.
 
 # %%
 widths = [256, 512, 1024, 2048]
 dp_rows = [ch.dp_mechanism_cost(w) for w in widths]
 per_rank = run_ranks(ch.ddp_costs, 2, widths)
-ddp_rows = [max(rows, key=lambda r: r["allreduce_s"]) for rows in zip(*per_rank)]  # slowest rank
+ddp_rows = [max(rows, key=lambda r: r["step_sync_s"]) for rows in zip(*per_rank)]  # slowest rank
 
-print(f"{'params MB':>9} | {'DP: scatter':>11} {'replicate':>9} {'gather':>7} {'step':>7} | "
-      f"{'DDP: init (once)':>16} {'all-reduce/step':>15}   (milliseconds)")
+
+def fastest_median(row, name):
+    return f"{row[name + '_s'] * 1e3:.2f} / {row[name + '_median_s'] * 1e3:.2f}"
+
+
+print("Counted, per DP iteration on 2 devices (the same on every machine):")
+print(f"{'params MB':>9} {'replica MB':>11} {'module shells':>14} {'scatter + gather KB':>20}")
+for r in dp_rows:
+    print(f"{r['param_bytes'] / 1e6:>9.1f} {r['replica_bytes'] / 1e6:>11.1f} "
+          f"{r['modules_replicated']:>14} {(r['scatter_bytes'] + r['gather_bytes']) / 1e3:>20.1f}")
+print("\nTimed on this machine, milliseconds, fastest / median:")
+print(f"{'params MB':>9} | {'DP replicate':>15} {'DP gather':>11} {'DP step':>17} | "
+      f"{'DDP init (once)':>17} {'DDP step':>17} {'all-reduce':>17}")
 for dp_row, ddp_row in zip(dp_rows, ddp_rows):
-    print(f"{dp_row['param_bytes'] / 1e6:>9.1f} | {dp_row['scatter_s'] * 1e3:>11.2f} "
-          f"{dp_row['replicate_s'] * 1e3:>9.2f} {dp_row['gather_s'] * 1e3:>7.2f} "
-          f"{dp_row['step_s'] * 1e3:>7.1f} | {ddp_row['construct_s'] * 1e3:>16.1f} "
-          f"{ddp_row['allreduce_s'] * 1e3:>15.1f}")
+    print(f"{dp_row['param_bytes'] / 1e6:>9.1f} | {fastest_median(dp_row, 'replicate'):>15} "
+          f"{fastest_median(dp_row, 'gather'):>11} {fastest_median(dp_row, 'step'):>17} | "
+          f"{fastest_median(ddp_row, 'construct'):>17} {fastest_median(ddp_row, 'step_sync'):>17} "
+          f"{fastest_median(ddp_row, 'allreduce'):>17}")
+print("(DDP all-reduce: the step minus the same step under no_sync, the part backward did not hide)")
+readable, verdict = ch.timing_verdict(
+    {**ch.timing_spreads(dp_rows, ["replicate", "step"]),
+     **{f"DDP {k}": v for k, v in ch.timing_spreads(ddp_rows, ["construct", "step_sync",
+                                                               "step_nosync"]).items()}})
+print(verdict)
 
 # %%
 mb = [r["param_bytes"] / 1e6 for r in dp_rows]
 fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-left.plot(mb, [r["replicate_s"] * 1e3 for r in dp_rows], "o-", label="DP replicate (every step)")
-left.plot(mb, [(r["scatter_s"] + r["gather_s"]) * 1e3 for r in dp_rows], "o-",
-          label="DP scatter + gather (every step)")
-left.plot(mb, [r["construct_s"] * 1e3 for r in ddp_rows], "s--", label="DDP construction (once)")
-left.plot(mb, [r["allreduce_s"] * 1e3 for r in ddp_rows], "s-",
-          label="DDP all-reduce, exposed (every step)")
+series = [("DP replicate (every step)", dp_rows, "replicate", "o-"),
+          ("DP step (every step)", dp_rows, "step", "o-"),
+          ("DDP construction (once)", ddp_rows, "construct", "s--"),
+          ("DDP step with all-reduce (every step)", ddp_rows, "step_sync", "s-")]
+for label, rows_, key, style in series:
+    line, = left.plot(mb, [r[key + "_s"] * 1e3 for r in rows_], style, label=label)
+    left.plot(mb, [r[key + "_median_s"] * 1e3 for r in rows_], "x", color=line.get_color())
 left.set(xscale="log", yscale="log", xlabel="model parameters (MB)", ylabel="ms",
-         title="Measured on this CPU (2 ranks, gloo)")
+         title="Live, this CPU: fastest (line), median (x)"
+               + ("" if readable else "\nTOO LOADED TO CONCLUDE"))
 left.legend(fontsize=8)
 
-# Computed, not measured: bytes through the busiest device's link per step, for P bytes of
-# parameters. DP: device 0 sends a replica to each other device and receives each one's
-# gradients. DDP, ring all-reduce: every rank sends and receives 2 (n-1)/n P, spread evenly.
+# Computed, not measured: nccl-tests' bus bytes per step, in units of the parameter bytes P.
+# Each collective's bus bytes / link bandwidth = its time on the wire; summed over the step.
 n = list(range(2, 9))
-right.plot(n, [2 * (k - 1) for k in n], "o-", label="DP: device 0 (replicas out + grads in)")
-right.plot(n, [2 * (k - 1) / k for k in n], "s-", label="DDP: any rank (ring all-reduce)")
+links = [ch.link_bytes_per_step(k, 1) for k in n]
+right.plot(n, [b["dp_nccl"] for b in links], "o-", label="DP, CUDA build: NCCL broadcast + reduce")
+right.plot(n, [b["ddp"] for b in links], "s-", label="DDP: ring all-reduce")
+right.plot(n, [b["dp_copies"] for b in links], "o:", color="grey",
+           label="DP without NCCL: one copy per device")
 right.set(xlabel="devices", ylabel="bytes per step / parameter bytes",
-          title="Computed: traffic on the busiest device")
+          title="Computed: bus bytes per step (time on the wire x link bandwidth)")
 right.legend(fontsize=8)
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# **Reading it.** DP's replicate grows linearly with the model and is paid *every* iteration; DDP's
-# construction copy is paid once. Be honest about the rest of the picture: on this CPU a replica is
-# an in-memory copy (a few ms for 67 MB), cheaper than DDP's gloo all-reduce. Both schemes must
-# move the gradients every step — DP by summing every replica's gradients onto device 0, DDP by an
-# all-reduce. So why is DP the slow one on GPUs? The mechanism, from the source above:
+# **Reading it.** The counts hold on any machine: every DP iteration copies the parameters into
+# a fresh replica for each other device and builds a Python shell for each of its modules —
+# both grow with the model, and both are paid again at the next iteration, inside `forward`
+# ([data_parallel.py L195-197](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/data_parallel.py#L195-L197)).
+# DDP copies the parameters once, in its constructor; after that it moves gradients, and the
+# buffers, which it broadcasts at every forward (section 2.2; this MLP has none). The
+# live times show what these costs come to on this machine, beside DDP's; the verdict line says
+# whether the repeats agreed well enough to read them. Don't carry them to GPUs: here a replica is
+# a copy within one memory and gloo's all-reduce runs over loopback TCP.
 #
-# * every copy goes through **device 0**: it sends n-1 replicas and receives n-1 gradient sets per
-#   iteration, 2(n-1) x P bytes on its link, while a ring all-reduce moves 2(n-1)/n x P per rank,
-#   spread over all links (right panel: 6 P vs 1.5 P at n = 4);
-# * DP's gradient sum is one autograd node over all parameters, so it runs after the replicas'
-#   backward is done; DDP launches each bucket's all-reduce during backward (section 2.4);
-# * one Python process drives all devices: its threads contend for the GIL (PyTorch's
+# **The wire: DP does not move n times DDP's bytes.** An earlier version of this chapter charged
+# device 0 with sending n-1 replicas and receiving n-1 gradient sets, 2(n-1) x P bytes, against
+# 2(n-1)/n x P for DDP — and its two curves counted different things (DP: bytes in + out; DDP:
+# bytes sent). On a CUDA build that is wrong. Replicate's `Broadcast` calls
+# `comm.broadcast_coalesced`
+# ([_functions.py L24](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/_functions.py#L24-L24),
+# [comm.py L50-67](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/comm.py#L50-L67)),
+# which the C++ side runs as one NCCL broadcast whenever NCCL is available
+# (`torch/csrc/cuda/comm.cpp`, function `broadcast`); its backward `ReduceAddCoalesced` ends in
+# `comm.reduce_add`, an NCCL reduce
+# ([comm.py L109-111](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/comm.py#L109-L111)).
+# NCCL pipelines a broadcast or a reduce through all devices, so the root sends (or receives) P
+# once, not n-1 times: the bus-bandwidth factor of
+# [nccl-tests](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md) is 1 for
+# broadcast and reduce and 2(n-1)/n for all-reduce. Counted the same way for both (right panel:
+# bus bytes per step, i.e. each collective's time on the wire times the link bandwidth, summed),
+# DP puts 2 x P on the wire at any n and DDP 2(n-1)/n x P: DP moves n/(n-1) times DDP's bytes —
+# 2x at n = 2, 1.33x at n = 4, 1.14x at n = 8 — not the n times (4x at n = 4) of our old panel.
+# The old count (dotted) holds only without NCCL, where device 0 sends a copy of its own to
+# every other device and receives one gradient set from each (2(n-1) x P when these copies share
+# device 0's link). So bytes are not what makes DP the slow one on GPUs. The mechanism, from the
+# source above:
+#
+# * **replication every iteration**: a Python shell per module per device and a broadcast of
+#   the parameters and buffers, inside every `forward` (counted above) — work DDP does once;
+# * **no overlap**: DP's gradient reduce is the backward of *one* `Broadcast` node over all
+#   parameters ([replicate.py L107-108](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/replicate.py#L107-L108),
+#   [_functions.py L38-44](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/_functions.py#L38-L44)),
+#   so autograd runs it only once every replica's backward has produced every gradient; DDP
+#   launches each bucket's all-reduce while backward goes on (section 2.4);
+# * **one Python process** drives all devices: its threads contend for the GIL (PyTorch's
 #   [distributed overview](https://github.com/pytorch/tutorials/blob/b85d4791f69bea78daff208b654c2207173a25a7/beginner_source/dist_overview.rst)
-#   names this and the per-iteration replication as DP's costs), and the loss, the optimizer step
-#   and the gathered outputs all sit on device 0 while the others wait. DDP's docstring calls DDP
-#   "significantly faster" than DP on a single node
+#   names this and the per-iteration replication as DP's costs);
+# * **device 0 does extra work**: it scatters the inputs, gathers the outputs, computes the loss
+#   on the whole batch and runs the optimizer step, while the others wait. DDP's docstring calls
+#   DDP "significantly faster" than DP on a single node
 #   ([distributed.py L483-485](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L483-L485)).
 #
 # That is why the article's direction (DP slower than DDP) is what one expects; its figure, DP at
 # 62% of DDP's throughput for ResNet50 on 4 x V100, is the article's measurement and needs GPUs to
 # check.
 #
-# ### 1.3 Replication also costs per *module*, and not per batch element
+# ### 1.3 Replication costs per module and per byte, never per batch element
 #
-# `replicate` builds one Python shell per submodule per device. At the same 1 MB of parameters,
-# many small layers cost far more to replicate than a few big ones; and the replicate cost does not
-# grow with the batch, so it shrinks relative to compute as the batch grows. (The article also says
-# DP's gap to DDP *widens* with batch size; that is its measurement — the replicate part of the
-# overhead, measured here, goes the other way.)
+# `replicate` builds one Python shell per submodule per device and copies every parameter byte,
+# so its work is set by the model: the three models below have about the same 1 MB of
+# parameters but 9, 129 and 513 modules — 57 times as many shells to build every iteration
+# (counted). And it never sees the batch: DP calls `replicate(self.module,
+# self.device_ids[: len(inputs)])`
+# ([L195-197](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/data_parallel.py#L195-L197)),
+# the module and the devices, never the inputs, so at batch 32 and at batch 512 it copies the
+# same bytes. What grows with the batch is the compute and what scatter and gather move. (The
+# article also says DP's gap to DDP *widens* with batch size. That is its measurement; of DP's
+# overheads, replication cannot be the part that widens it.)
 
 # %%
-for width, depth in [(256, 4), (64, 64), (32, 256)]:
-    r = ch.dp_mechanism_cost(width, depth=depth, repeats=7)
-    print(f"{2 * depth + 1:>4} modules, {r['param_bytes'] / 1e6:.2f} MB: "
-          f"replicate {r['replicate_s'] * 1e3:6.2f} ms per iteration")
-for batch in (32, 512):
-    r = ch.dp_mechanism_cost(1024, batch=batch)
-    share = (r["replicate_s"] + r["scatter_s"] + r["gather_s"]) / r["step_s"]
-    print(f"batch {batch:>3}: replicate {r['replicate_s'] * 1e3:.2f} ms, "
-          f"step {r['step_s'] * 1e3:6.1f} ms -> scatter+replicate+gather = {share:.1%} of the step")
+shape_rows = [ch.dp_mechanism_cost(width, depth=depth)
+              for width, depth in [(256, 4), (64, 64), (32, 256)]]
+batch_rows = [ch.dp_mechanism_cost(1024, batch=batch) for batch in (32, 512)]
+print("same bytes, more modules: counted per iteration | timed replicate, ms fastest / median")
+for r in shape_rows:
+    print(f"{r['modules']:>4} modules, {r['param_bytes'] / 1e6:.2f} MB: {r['modules_replicated']:>4} shells, "
+          f"{r['replica_bytes'] / 1e6:.2f} MB copied | replicate {fastest_median(r, 'replicate')}")
+print("same model, bigger batch: counted per iteration | timed, ms fastest / median")
+for r in batch_rows:
+    print(f"batch {r['batch']:>3}: {r['replica_bytes'] / 1e6:.2f} MB copied by replicate, "
+          f"{(r['scatter_bytes'] + r['gather_bytes']) / 1e3:7.1f} KB by scatter + gather | "
+          f"replicate {fastest_median(r, 'replicate')}, step {fastest_median(r, 'step')}")
+print(ch.timing_verdict(ch.timing_spreads(shape_rows + batch_rows, ["replicate", "step"]))[1])
 
 # %% [markdown]
 # ### 1.4 Why device 0 holds more under DataParallel
@@ -523,13 +588,20 @@ for billions in (1, 3, 7, 13, 70):
 #   rank 0 (or use `SyncBatchNorm` for batch statistics over all ranks).
 # * **FSDP2**: build the optimizer *after* `fully_shard` (on the DTensor parameters), and call
 #   `model(x)`, not `model.forward(x)`, or the all-gather hooks do not run.
-# * **Don't carry CPU timings to GPUs**: on a CPU a replica is a cheap memcpy and gloo is slow; the
-#   mechanism transfers, the numbers do not.
+# * **Don't carry CPU timings to GPUs**: on a CPU a replica is a copy within one memory and gloo's
+#   all-reduce runs over loopback TCP. The counts (bytes, modules, collective calls) transfer; the
+#   times do not.
+# * **Count the wire the same way for both sides**: DP's replicate and gradient sum are NCCL
+#   broadcast and reduce on CUDA builds, P bus bytes each per step, not n-1 copies through
+#   device 0.
 #
 # ## Summary
 #
 # * DP: one process, threads, the model re-replicated from device 0 every forward, gradients summed
-#   onto device 0; device 0 holds the parameters, gradients, optimizer state and gathered outputs.
+#   onto device 0 after the whole backward; device 0 holds the parameters, gradients, optimizer
+#   state and gathered outputs. On the wire (NCCL broadcast + reduce) it moves n/(n-1) times
+#   DDP's bytes; its cost is the per-iteration replication, the missing overlap, the GIL and the
+#   work piled on device 0.
 # * DDP: one process per device; rank 0's parameters broadcast once, at construction; rank 0's
 #   buffers broadcast again at the start of every training forward (by default); gradients
 #   all-reduced in buckets (25 MiB; a 1 MiB first bucket only when `bucket_cap_mb` is left

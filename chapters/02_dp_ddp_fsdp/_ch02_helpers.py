@@ -1,12 +1,15 @@
 """Measurements behind chapter 02 (DataParallel vs DDP vs FSDP), shared by its notebook,
 its scripts and its tests.
 
-Three groups of functions:
+Four groups of functions:
 
 * DataParallel's per-iteration mechanism, done by hand on the CPU (``dp_step_emulated``,
   ``dp_mechanism_cost``): with no GPU ``nn.DataParallel`` just calls the module, so we do
   explicitly what it does on GPUs every iteration - scatter, replicate, apply, gather, and the
-  backward that sums every replica's gradient onto device 0 - and time each phase.
+  backward that sums every replica's gradient onto device 0 - count what each phase copies
+  and time it (fastest and median of several repeats, with ``timing_verdict`` saying when the
+  machine was too loaded to read the times).
+* What the collectives of each scheme put on the wire per step, computed (``link_bytes_per_step``).
 * DDP's mechanism and cost, as rank functions for ``run_ranks`` or torchrun
   (``ddp_costs``, ``ddp_broadcast_at_construction``, ``ddp_buffer_sync``, ``ddp_bucket_sizes``,
   ``ddp_event_log``).
@@ -20,6 +23,8 @@ against (tests/test_chapter_02_dp_ddp_fsdp.py re-reads the cited lines).
 
 from __future__ import annotations
 
+import os
+import statistics
 import threading
 import time
 from contextlib import nullcontext
@@ -51,6 +56,16 @@ SOURCE = {
     "ddp_gradient_as_bucket_view": ("torch/nn/parallel/distributed.py", 731, 735),
     "fsdp_all_gather": ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 111, 124),
     "fsdp_reduce_scatter": ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 175, 190),
+    # DataParallel's copies: replicate broadcasts the parameters with the autograd function
+    # Broadcast, whose forward is comm.broadcast_coalesced and whose backward is one
+    # ReduceAddCoalesced over all parameters, i.e. comm.reduce_add -> NCCL reduce on CUDA.
+    "dp_replicate_every_forward": ("torch/nn/parallel/data_parallel.py", 195, 197),
+    "replicate_broadcast_params": ("torch/nn/parallel/replicate.py", 136, 136),
+    "replicate_broadcast_apply": ("torch/nn/parallel/replicate.py", 107, 108),
+    "broadcast_forward_coalesced": ("torch/nn/parallel/_functions.py", 24, 24),
+    "broadcast_backward_reduce": ("torch/nn/parallel/_functions.py", 38, 44),
+    "comm_broadcast_coalesced": ("torch/nn/parallel/comm.py", 50, 67),
+    "comm_reduce_add_nccl": ("torch/nn/parallel/comm.py", 109, 111),
     # DDP's buffers: broadcast from rank 0 at the start of every forward, by default.
     "ddp_forward_sync_buffers_default": ("torch/nn/parallel/distributed.py", 982, 990),
     "ddp_pre_forward_sync_buffers": ("torch/nn/parallel/distributed.py", 1781, 1782),
@@ -99,15 +114,54 @@ def param_bytes(module: nn.Module) -> int:
     return tensor_bytes(module.parameters())
 
 
-def _best_time(fn, repeats: int) -> float:
-    """Fastest of ``repeats`` runs: on a shared, noisy machine the minimum is the best estimate
-    of what the work itself costs (slower runs measure other processes)."""
+def _samples(fn, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn``."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def _best_time(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` runs: on a shared, noisy machine the minimum is the best estimate
+    of what the work itself costs (slower runs measure other processes)."""
+    return min(_samples(fn, repeats))
+
+
+def timing_spreads(rows: list[dict], series, floor_s: float = 1e-3) -> dict[str, float]:
+    """Median / fastest of each timed ``series`` (keys ``<name>_s`` and ``<name>_median_s``),
+    the worst over ``rows``. Times under ``floor_s`` are left out: at tens of microseconds
+    the timer and the scheduler's jitter alone move the median."""
+    spreads = {}
+    for name in series:
+        ratios = [r[f"{name}_median_s"] / r[f"{name}_s"] for r in rows
+                  if r[f"{name}_s"] >= floor_s]
+        if ratios:
+            spreads[name] = max(ratios)
+    return spreads
+
+
+def timing_verdict(spreads: dict[str, float], limit: float = 1.5) -> tuple[bool, str]:
+    """Whether a live timing run can be read, from each series' median / minimum.
+
+    ``spreads`` maps a series name to its median / min ratio (``timing_spreads``). A median
+    more than ``limit`` times the fastest run of the same work says that other processes took
+    the cores during most repeats; differences between the measured costs may then say more
+    about them than about the code. The limit is a judgement call, printed with the verdict.
+    Returns (readable, sentence).
+    """
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    if not spreads:
+        return False, "nothing timed long enough to judge the repeats by"
+    worst = max(spreads, key=spreads.get)
+    where = (f"worst median/min {spreads[worst]:.2f} ({worst}); load average {load:.1f} "
+             f"on {os.cpu_count()} cores")
+    if spreads[worst] > limit:
+        return False, (f"TOO LOADED TO CONCLUDE: {where}. Run it again on a quiet machine "
+                       "before reading anything into these times.")
+    return True, f"repeats agree ({where} <= {limit}): the times are readable on this machine."
 
 
 # ------------------------------------------------------- DataParallel, done by hand on CPU
@@ -206,16 +260,21 @@ def dp_emulation_gradient_error(width: int = 32, depth: int = 2, n_devices: int 
 
 def dp_mechanism_cost(width: int, depth: int = 4, n_devices: int = 2, batch: int = 32,
                       repeats: int = 7, seed: int = 0) -> dict:
-    """Seconds per DP iteration spent in each phase (fastest of ``repeats``), for an MLP of the given width.
+    """What one DP iteration copies (counted) and how long each phase takes (timed), for an MLP.
 
-    Also returns the bytes DP moves through device 0 every iteration: the parameters sent to
-    each other device (replicate) and the gradients received back from each (reduce).
+    Counted, the same on every machine: the parameter bytes copied into the replicas of
+    devices 1..n-1 (``replica_bytes``), the module shells built for them
+    (``modules_replicated``), and the input and output bytes that scatter and gather move
+    between device 0 and the others (``scatter_bytes``, ``gather_bytes``).
+    Timed: each phase's fastest (``<phase>_s``) and median (``<phase>_median_s``) over
+    ``repeats`` iterations, and the same for the whole iteration (``step_s``,
+    ``step_median_s``).
     """
     model = make_mlp(width, depth, seed=seed)
     torch.manual_seed(seed + 1)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     phases = ["scatter_s", "replicate_s", "apply_s", "gather_s", "backward_s"]
-    samples: dict[str, list[float]] = {p: [] for p in phases}
+    samples: dict[str, list[float]] = {p: [] for p in phases + ["step_s"]}
     # One core per emulated device: with several intra-op threads per replica thread, the
     # replicas' OpenMP threads oversubscribe the cores and the timings turn to noise.
     threads = torch.get_num_threads()
@@ -228,16 +287,42 @@ def dp_mechanism_cost(width: int, depth: int = 4, n_devices: int = 2, batch: int
             dp_step_emulated(model, x, y, n_devices, timings)
             for p in phases:
                 samples[p].append(timings[p])
+            samples["step_s"].append(sum(timings[p] for p in phases))
     finally:
         torch.set_num_threads(threads)
     nbytes = param_bytes(model)
-    result = {"width": width, "depth": depth, "n_devices": n_devices, "param_bytes": nbytes,
-              "params": sum(p.numel() for p in model.parameters())}
-    result.update({p: min(samples[p]) for p in phases})
-    result["step_s"] = sum(result[p] for p in phases)
-    result["bytes_sent_from_device0"] = (n_devices - 1) * nbytes
-    result["bytes_reduced_onto_device0"] = (n_devices - 1) * nbytes
+    chunks = x.chunk(n_devices)
+    others = sum(c.numel() * c.element_size() for c in chunks[1:])
+    result = {"width": width, "depth": depth, "n_devices": n_devices, "batch": batch,
+              "param_bytes": nbytes, "params": sum(p.numel() for p in model.parameters()),
+              "modules": len(list(model.modules())),
+              "replica_bytes": (n_devices - 1) * nbytes,
+              "modules_replicated": (n_devices - 1) * len(list(model.modules())),
+              # the MLP's output has the input's shape: gather brings back what scatter sent
+              "scatter_bytes": others, "gather_bytes": others}
+    for key, values in samples.items():
+        result[key] = min(values)
+        result[key[:-len("_s")] + "_median_s"] = statistics.median(values)
     return result
+
+
+def link_bytes_per_step(n_devices: int, param_bytes: int) -> dict[str, float]:
+    """Bus bytes per training step for ``param_bytes`` of parameters: for each collective,
+    its size times nccl-tests' bus-bandwidth factor, so that its time on the wire is about
+    bus bytes / link bandwidth; summed over the step. The same count for every scheme.
+
+    * ``dp_nccl``: DataParallel on a CUDA build. Replicate's ``Broadcast`` goes through
+      ``comm.broadcast_coalesced`` -> NCCL broadcast, its backward ``ReduceAddCoalesced``
+      through ``comm.reduce_add`` -> NCCL reduce; nccl-tests' factor is 1 for both: P + P.
+    * ``dp_copies``: the fallback without NCCL: device 0 copies P to each of the n-1 others,
+      and receives n-1 gradient copies: 2 (n-1) P through device 0's link.
+    * ``ddp``: DDP's ring all-reduce of the gradients, factor 2 (n-1)/n.
+
+    DP's input scatter and output gather, and the buffers either scheme broadcasts, come on
+    top; they do not depend on the parameter count.
+    """
+    n, p = n_devices, param_bytes
+    return {"dp_nccl": 2.0 * p, "dp_copies": 2.0 * (n - 1) * p, "ddp": 2.0 * (n - 1) / n * p}
 
 
 def dp_device_bytes(width: int, depth: int = 4, n_devices: int = 2, batch: int = 32,
@@ -404,7 +489,8 @@ def ddp_event_log(rank: int, world_size: int, bucket_cap_mb: float = 1.0, width:
 def ddp_costs(rank: int, world_size: int, widths, depth: int = 4, batch: int = 16,
               repeats: int = 3, device: str = "cpu") -> list[dict]:
     """Per model width: DDP construction time (once per run) and per-step exposed gradient
-    all-reduce time (forward+backward with sync minus the same under ``no_sync``)."""
+    all-reduce time (forward+backward with sync minus the same under ``no_sync``), each as
+    fastest (``*_s``) and median (``*_median_s``) of ``repeats``."""
     _ddp(make_mlp(8, 1).to(device))  # the first DDP in a process pays one-off set-up costs
     rows = []
     for width in widths:
@@ -418,7 +504,7 @@ def ddp_costs(rank: int, world_size: int, widths, depth: int = 4, batch: int = 1
             _sync(device)
             return built, time.perf_counter() - start
 
-        construct_s = min(construct()[1] for _ in range(2))
+        construct_times = [construct()[1] for _ in range(repeats)]
         ddp, _ = construct()
         x = torch.randn(batch, width, device=device)
         y = torch.randn(batch, width, device=device)
@@ -430,18 +516,23 @@ def ddp_costs(rank: int, world_size: int, widths, depth: int = 4, batch: int = 1
         step(True)
         step(True)  # the second iteration runs with the rebuilt buckets
 
-        def timed(sync):
-            def run():
+        with_sync, without_sync = [], []
+        for _ in range(repeats):  # interleaved, so a noisy moment hits both kinds of step
+            for sync, times in ((True, with_sync), (False, without_sync)):
                 dist.barrier()
+                start = time.perf_counter()
                 step(sync)
                 _sync(device)
-            return _best_time(run, repeats)
-
-        with_sync, without_sync = timed(True), timed(False)
+                times.append(time.perf_counter() - start)
+        median = statistics.median
         rows.append({"width": width, "param_bytes": param_bytes(model),
-                     "construct_s": construct_s, "step_sync_s": with_sync,
-                     "step_nosync_s": without_sync,
-                     "allreduce_s": max(with_sync - without_sync, 0.0)})
+                     "construct_s": min(construct_times),
+                     "construct_median_s": median(construct_times),
+                     "step_sync_s": min(with_sync), "step_sync_median_s": median(with_sync),
+                     "step_nosync_s": min(without_sync),
+                     "step_nosync_median_s": median(without_sync),
+                     "allreduce_s": max(min(with_sync) - min(without_sync), 0.0),
+                     "allreduce_median_s": max(median(with_sync) - median(without_sync), 0.0)})
         del ddp
     return rows
 
