@@ -22,9 +22,10 @@
 # **The idea.** An all-reduce can be built from point-to-point messages alone. Sending everything
 # to rank 0 works but makes rank 0's link carry `2(N-1)` copies of the tensor. A **ring** cuts the
 # tensor into N chunks and does a *reduce-scatter* then an *all-gather*: every rank sends only
-# `2(N-1)/N` of the tensor, the least any algorithm can (the bound nccl-tests' bus bandwidth is
-# built on). **Halving-doubling** needs `2·log2 N` steps instead of `2(N-1)`, which matters when
-# messages are small and each step costs a fixed latency. DDP then adds two ideas on top: launch
+# `2(N-1)/N` of the tensor, the least any algorithm built from point-to-point messages can (the
+# bound nccl-tests' bus bandwidth is built on; switches that do the additions themselves go
+# below it, section 3). **Halving-doubling** needs `2·log2 N` steps instead of `2(N-1)`, which
+# matters when messages are small and each step costs a fixed latency. DDP then adds two ideas on top: launch
 # the all-reduces *during* backward (overlap), and pack small gradients into *buckets*.
 #
 # Everything below runs in real process groups (`run_ranks`, or `torchrun` for the benchmark; gloo
@@ -212,12 +213,27 @@ draw_steps(ring_steps, "Ring all-reduce on 4 ranks, measured: which ranks' data 
 # chunk only, chunk `r+1` (a diagonal): that is exactly what `dist.reduce_scatter` would leave.
 # The all-gather row then copies those finished chunks around until every rank has all four.
 #
-# **Why `2(N-1)/N` is the floor** (the argument of [nccl-tests' PERFORMANCE.md](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)):
-# every output element is a sum of N inputs that live on N different ranks, so it takes N-1
-# additions and N assignments, `2(N-1)` transfers of that element, wherever they happen. Spread
-# over N ranks each with its own link of bandwidth B, an all-reduce of S bytes takes at least
+# **Why `2(N-1)/N` is the floor, for point-to-point algorithms** (the argument of [nccl-tests'
+# PERFORMANCE.md](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)): every
+# output element is a sum of N inputs that live on N different ranks, so it takes N-1 additions
+# and N assignments, `2(N-1)` transfers of that element, wherever they happen. Spread over N ranks
+# each with its own link of bandwidth B, an all-reduce of S bytes takes at least
 # `t = 2(N-1)/N · S / B`. The ring reaches it (the measured 1 MiB table above equals the formula
 # exactly); the naive scheme's rank 0 carries `N-1` times S instead.
+#
+# The argument assumes that the ranks do the additions, exchanging data with sends and receives;
+# PERFORMANCE.md says so in bold ("independent of the algorithm used (ring, tree, or other) as
+# long as they use point-to-point operations"). **In-network reduction** drops that assumption:
+# the switch adds. NVLink SHARP (NCCL's `NVLS` and `NVLSTree` algorithms) offloads the all-reduce
+# to the NVLink switches, and IB SHARP does the same in InfiniBand switches (NCCL's maintainers in
+# [NVIDIA/nccl#1031](https://github.com/NVIDIA/nccl/issues/1031)); NCCL reaches IB SHARP through
+# its `CollNet` algorithms and the NCCL-RDMA-SHARP network plugin
+# ([HPC-X docs](https://docs.nvidia.com/networking/display/hpcxv226/NCCL-RDMA-SHARP-Plugins)).
+# nccl-tests' summary table gives it its own bus-bandwidth factor, `(n-1)/(n+1)` instead of
+# `2(n-1)/n`, which its `AllReduceGetBw` ([src/all_reduce.cu](https://github.com/NVIDIA/nccl-tests/blob/master/src/all_reduce.cu))
+# applies when `NCCL_ALGO` is `NVLS` or `NVLSTREE`. So `2(N-1)/N` is the lower bound for
+# algorithms made of point-to-point messages, like every algorithm in this chapter, not for every
+# all-reduce.
 #
 # ## 4. Two bandwidths: algbw and busbw
 #
@@ -228,8 +244,20 @@ draw_steps(ring_steps, "Ring all-reduce on 4 ranks, measured: which ranks' data 
 #   actually carried per second, by the bound above. It does not depend on N, so it compares
 #   directly with a link's peak bandwidth and across world sizes (a perfect ring on N = 2 and on
 #   N = 8 show the same busbw; their algbw differ). For reduce-scatter and all-gather the factor is
-#   `(N-1)/N`, for broadcast and reduce 1.
+#   `(N-1)/N`, for broadcast and reduce 1; for an all-reduce by in-network reduction
+#   `(N-1)/(N+1)` (section 3).
 #
+# `ring_vs_gloo.bus_factor` computes both all-reduce factors. Reaching the same busbw, an
+# in-network all-reduce has an algbw `2(N-1)/N ÷ (N-1)/(N+1) = 2(N+1)/N` times higher, so it
+# finishes that much sooner (that is what the switch's additions buy, by nccl-tests' formulas):
+
+# %%
+print(f"{'N':>4}{'point-to-point 2(N-1)/N':>25}{'in-network (N-1)/(N+1)':>24}{'algbw ratio':>13}")
+for n in (2, 4, 8, 16, 72):
+    p2p, inn = ring_vs_gloo.bus_factor(n), ring_vs_gloo.bus_factor(n, in_network=True)
+    print(f"{n:>4}{p2p:>25.3f}{inn:>24.3f}{p2p / inn:>13.2f}")
+
+# %% [markdown]
 # GB/s below means 10^9 bytes per second, as in nccl-tests.
 #
 # ## 5. Fewer steps: recursive halving, then recursive doubling
@@ -496,7 +524,9 @@ grep_source(dist_utils._sync_params_and_buffers, "_broadcast_coalesced")
 # * Point-to-point messages are enough to build an all-reduce. The naive "through rank 0" scheme
 #   loads rank 0 with `N-1` copies in each direction.
 # * Ring = reduce-scatter + all-gather: `2(N-1)` steps of `1/N` of the tensor, `2(N-1)/N` bytes
-#   per rank, which is the lower bound; nccl-tests' busbw = algbw · 2(N-1)/N is built on it.
+#   per rank, which is the lower bound for algorithms made of point-to-point messages; nccl-tests'
+#   busbw = algbw · 2(N-1)/N is built on it. In-network reduction (NVLink SHARP, IB SHARP through
+#   CollNet) lets the switches add, and nccl-tests gives it the factor (N-1)/(N+1) instead.
 # * Halving-doubling: the same bytes (N a power of two) in `2 log2 N` steps, for latency-bound
 #   small messages.
 # * Measured on CPU/gloo: a Python ring matches gloo's C++ all-reduce on large messages (it is the
