@@ -301,10 +301,12 @@ gpu_rows, note = ch.gpu_dataparallel_report()
 print("real nn.DataParallel:", note)
 for r in gpu_rows or []:
     peaks = r["peak_bytes"]
-    print(f"width {r['width']}: step {r['step_s'] * 1e3:.1f} ms, replicate "
-          f"{r['replicate_s'] * 1e3:.2f} ms, gather {r['gather_s'] * 1e3:.2f} ms; peak MB per GPU "
+    print(f"width {r['width']}: ms fastest / median: step {fastest_median(r, 'step')}, replicate "
+          f"{fastest_median(r, 'replicate')}, gather {fastest_median(r, 'gather')}; peak MB per GPU "
           + ", ".join(f"{p / 1e6:.0f}" for p in peaks)
           + f" -> device 0 / busiest other = {peaks[0] / max(peaks[1:]):.2f}")
+if gpu_rows:
+    print(ch.timing_verdict(ch.timing_spreads(gpu_rows, ["step", "replicate", "gather"]))[1])
 
 # %% [markdown]
 # ## 2. DDP: one process per device, replicas built once, buckets during backward

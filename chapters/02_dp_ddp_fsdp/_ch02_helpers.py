@@ -124,12 +124,6 @@ def _samples(fn, repeats: int) -> list[float]:
     return times
 
 
-def _best_time(fn, repeats: int) -> float:
-    """Fastest of ``repeats`` runs: on a shared, noisy machine the minimum is the best estimate
-    of what the work itself costs (slower runs measure other processes)."""
-    return min(_samples(fn, repeats))
-
-
 def timing_spreads(rows: list[dict], series, floor_s: float = 1e-3) -> dict[str, float]:
     """Median / fastest of each timed ``series`` (keys ``<name>_s`` and ``<name>_median_s``),
     the worst over ``rows``. Times under ``floor_s`` are left out: at tens of microseconds
@@ -732,8 +726,9 @@ def check_memory_relations(results: list[dict]) -> list[tuple[str, bool]]:
 
 def gpu_dataparallel_report(widths=(1024, 2048, 4096), depth: int = 4, batch: int = 512,
                             repeats: int = 5) -> tuple[list[dict] | None, str]:
-    """Real ``nn.DataParallel`` on every visible GPU: per-iteration replicate and gather time,
-    and each GPU's peak allocated memory over an Adam training step.
+    """Real ``nn.DataParallel`` on every visible GPU: per-iteration replicate and gather time
+    (fastest ``*_s`` and median ``*_median_s`` of ``repeats``), and each GPU's peak allocated
+    memory over an Adam training step.
 
     Returns ``(None, reason)`` when there are fewer than two GPUs.
     """
@@ -747,12 +742,13 @@ def gpu_dataparallel_report(widths=(1024, 2048, 4096), depth: int = 4, batch: in
         for d in devices:
             torch.cuda.synchronize(d)
 
-    def timed(fn):
+    def timed(fn) -> tuple[float, float]:
         def run():
             sync()
             fn()
             sync()
-        return _best_time(run, repeats)
+        samples = _samples(run, repeats)
+        return min(samples), statistics.median(samples)
 
     rows = []
     for width in widths:
@@ -771,17 +767,19 @@ def gpu_dataparallel_report(widths=(1024, 2048, 4096), depth: int = 4, batch: in
         sync()
         for d in devices:
             torch.cuda.reset_peak_memory_stats(d)
-        step_s = timed(train_step)
+        step = timed(train_step)
         peaks = [torch.cuda.max_memory_allocated(d) for d in devices]
 
         scattered, kwargs = dp.scatter((x,), {}, devices)
-        replicate_s = timed(lambda: dp.replicate(model, devices))
+        replicate = timed(lambda: dp.replicate(model, devices))
         with torch.no_grad():
             outputs = dp.parallel_apply(dp.replicate(model, devices), scattered, kwargs)
-        gather_s = timed(lambda: dp.gather(outputs, 0))
-        rows.append({"width": width, "param_bytes": param_bytes(model), "gpus": n,
-                     "step_s": step_s, "replicate_s": replicate_s, "gather_s": gather_s,
-                     "peak_bytes": peaks})
+        gather = timed(lambda: dp.gather(outputs, 0))
+        row = {"width": width, "param_bytes": param_bytes(model), "gpus": n, "peak_bytes": peaks}
+        for name, (fastest, median) in (("step", step), ("replicate", replicate),
+                                        ("gather", gather)):
+            row[f"{name}_s"], row[f"{name}_median_s"] = fastest, median
+        rows.append(row)
         del dp, model, optimizer, outputs, scattered
         torch.cuda.empty_cache()
     return rows, f"measured on {n} GPUs ({torch.cuda.get_device_name(0)})"

@@ -8,8 +8,9 @@ with plain ``python``, not torchrun; tests/test_chapter_02_dp_ddp_fsdp.py runs i
 
 For MLPs of growing width it trains with ``nn.DataParallel`` and Adam and prints, per width,
 the time of a whole training step, of ``DataParallel.replicate`` alone (done inside every
-forward) and of ``DataParallel.gather`` alone, then ``torch.cuda.max_memory_allocated`` of
-each GPU over the training steps. Device 0 holds the module's parameters, its gradients,
+forward) and of ``DataParallel.gather`` alone (fastest/median of a few repeats, then a verdict
+on whether the GPUs were quiet enough to read them), then ``torch.cuda.max_memory_allocated``
+of each GPU over the training steps. Device 0 holds the module's parameters, its gradients,
 Adam's state and the gathered outputs; the other GPUs hold only each iteration's replica
 and its activations.
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _ch02_helpers import gpu_dataparallel_report  # noqa: E402
+from _ch02_helpers import gpu_dataparallel_report, timing_spreads, timing_verdict  # noqa: E402
 
 
 def main() -> int:
@@ -37,15 +38,19 @@ def main() -> int:
     print(f"nn.DataParallel: {note}")
     if rows is None:
         return 0
+    def fastest_median(row: dict, name: str) -> str:
+        return f"{row[name + '_s'] * 1e3:.2f}/{row[name + '_median_s'] * 1e3:.2f}"
+
     for row in rows:
         peaks = row["peak_bytes"]
         others = max(peaks[1:])
-        print(f"width {row['width']:>5} ({row['param_bytes'] / 1e6:.0f} MB of parameters): "
-              f"step {row['step_s'] * 1e3:.1f} ms, replicate {row['replicate_s'] * 1e3:.2f} ms, "
-              f"gather {row['gather_s'] * 1e3:.2f} ms")
+        print(f"width {row['width']:>5} ({row['param_bytes'] / 1e6:.0f} MB of parameters), ms "
+              f"fastest/median: step {fastest_median(row, 'step')}, replicate "
+              f"{fastest_median(row, 'replicate')}, gather {fastest_median(row, 'gather')}")
         print("    peak allocated per GPU (MB): "
               + ", ".join(f"cuda:{d} {p / 1e6:.0f}" for d, p in enumerate(peaks))
               + f"  -> device 0 / busiest other = {peaks[0] / others:.2f}")
+    print(timing_verdict(timing_spreads(rows, ["step", "replicate", "gather"]))[1])
     return 0
 
 
