@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -28,7 +29,9 @@ OLD_LAUNCHER = [sys.executable, "-m", "torch.distributed.launch"]
 
 
 def environment(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    """This process's environment, less the variables the tests set when they want them."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
     env.update(extra)
     return env
@@ -62,6 +65,7 @@ def test_torchrun_sets_rank_variables_but_not_cuda_visible_devices(no_orphans):
         assert (v["WORLD_SIZE"], v["LOCAL_WORLD_SIZE"], v["GROUP_RANK"]) == ("2", "2", "0")
         assert v["ROLE_RANK"] == r and v["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert v["CUDA_VISIBLE_DEVICES"] == "(unset)"
+        assert v["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # set by the agent for every worker
     assert views["0"]["MASTER_PORT"] == views["1"]["MASTER_PORT"] != "(unset)"
     assert views["0"]["pid"] != views["1"]["pid"]
 
@@ -69,12 +73,14 @@ def test_torchrun_sets_rank_variables_but_not_cuda_visible_devices(no_orphans):
 def test_only_virtual_local_rank_makes_torchrun_set_cuda_visible_devices(no_orphans):
     done = launch(TORCHRUN + ["--standalone", "--nproc_per_node", "2", "--virtual-local-rank",
                               str(CHAPTER / "print_env.py"), "--json"],
-                  CUDA_VISIBLE_DEVICES="3,5")
+                  CUDA_VISIBLE_DEVICES="3,5", TORCH_NCCL_ASYNC_ERROR_HANDLING="3")
     assert done.returncode == 0, done.stderr
     views = json.loads(done.stdout.strip().splitlines()[-1])
     assert [views[r]["CUDA_VISIBLE_DEVICES"] for r in "01"] == ["3", "5"]
     assert [views[r]["LOCAL_RANK"] for r in "01"] == ["0", "0"]
     assert [views[r]["RANK"] for r in "01"] == ["0", "1"]
+    # a value given to torchrun itself is passed on unchanged, not replaced by the agent's 1
+    assert [views[r]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] for r in "01"] == ["3", "3"]
 
 
 # --- restarts -------------------------------------------------------------------------------
@@ -97,6 +103,18 @@ def test_max_restarts_restarts_every_rank_not_just_the_failed_one(tmp_path, no_o
     assert {(e["attempt"], e["rank"]) for e in seen if e["event"] == "raised"} == {(0, 1)}
     assert {(e["attempt"], e["rank"]) for e in seen if e["event"] == "finished"} == {(1, 0), (1, 1)}
     assert "attempt 1 finished on all 2 ranks" in done.stdout
+    assert_the_agent_stopped_the_healthy_rank(seen, done.stderr)
+
+
+def assert_the_agent_stopped_the_healthy_rank(seen: list[dict], stderr: str) -> None:
+    """Attempt 0's rank 0 did not fail on its own: it logged the agent's SIGTERM, and its pid is
+    the one the agent says it signalled."""
+    rank0 = [e for e in seen if (e["attempt"], e["rank"]) == (0, 0)]
+    assert [e["event"] for e in rank0] == ["started", "joined", "waiting", "SIGTERM"], rank0
+    assert rank0[-1]["signal"] == signal.SIGTERM
+    signalled = {int(pid) for pid in re.findall(r"Sending process (\d+) closing signal SIGTERM",
+                                                stderr)}
+    assert signalled == {rank0[0]["pid"]}, stderr
 
 
 def test_with_the_default_max_restarts_0_nothing_restarts_and_the_job_fails(tmp_path, no_orphans):
@@ -108,6 +126,7 @@ def test_with_the_default_max_restarts_0_nothing_restarts_and_the_job_fails(tmp_
     assert {e["attempt"] for e in seen} == {0}
     assert not [e for e in seen if e["event"] == "finished"]
     assert "RuntimeError: rank 1 fails on purpose in attempt 0" in done.stderr
+    assert_the_agent_stopped_the_healthy_rank(seen, done.stderr)
 
 
 # --- failure reports ------------------------------------------------------------------------
@@ -150,6 +169,10 @@ def test_two_nodes_on_one_machine_meet(form, no_orphans):
     nodes = {line.split("node ")[1][0] for line in done.stdout.splitlines()
              if "-> global rank" in line}
     assert nodes == {"0", "1"}
+    if form == "c10d":  # node ranks come from sorting (host name, agent pid), not from arrival
+        agent_of_node = {int(node): int(pid) for node, pid in
+                         re.findall(r"node (\d) of \d.*agent pid (\d+)", done.stdout)}
+        assert agent_of_node[0] < agent_of_node[1], done.stdout
 
 
 def test_a_node_whose_master_nobody_hosts_fails_instead_of_meeting(no_orphans):
@@ -279,3 +302,44 @@ def test_sbatch_with_real_torchrun_forms_one_group_across_the_fake_nodes(tmp_pat
     done = sbatch(env, str(CHAPTER / "two_nodes.py"), timeout=90)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "one group of 2" in done.stdout
+
+
+# --- recorded counts ----------------------------------------------------------------------------
+
+RECORD = "ch03_restart_races.json"
+RECORDER = ROOT / "benchmarks" / "ch03_restart_races.py"
+
+
+def test_the_recorder_writes_a_complete_record(tmp_path):
+    """The pipe count only (no torchrun run): the script runs and its record is reproducible."""
+    from ddpcourse.timing import load_reference
+
+    out = tmp_path / "record.json"
+    done = launch([sys.executable, str(RECORDER), "--runs", "0", "--root-cause-runs", "0",
+                   "--trials", "2", "--out", str(out)], timeout=60)
+    assert done.returncode == 0, done.stderr
+    record = load_reference(out)  # raises if machine, date, torch, command or load is missing
+    assert "benchmarks/ch03_restart_races.py" in record["command"]
+    assert [p["trials"] for p in record["pipes"]] == [2, 2]
+    assert all(0 <= p["failed"] <= 2 for p in record["pipes"])
+
+
+def test_the_lesson_quotes_the_recorded_counts():
+    """Every count chapter 03 states is the committed record's; re-recording means re-reading."""
+    from ddpcourse.timing import load_reference
+
+    record = load_reference(RECORD)
+    assert record["command"].split()[:2] == ["python", "benchmarks/ch03_restart_races.py"]
+    lesson = " ".join((CHAPTER / "03_torchrun.nb.py").read_text().replace("#", " ").split())
+    plain, prefix, fresh = record["restarts"]
+    assert f"plain `env://` failed in {plain['failed']} of {plain['runs']} runs" in lesson
+    assert (f"the private prefix in {prefix['failed']} of {prefix['runs']}, the fresh store in "
+            f"{fresh['failed']} of {fresh['runs']}") in lesson
+    root = record["root_cause_without_record"]
+    victim = root["named_rank_0_the_victim"]
+    assert f"named rank 0, the victim, in {victim} of {root['runs']}" in lesson
+    external, builtin = record["pipes"]
+    assert (f"{external['failed']} of {external['trials']} pipelines failed with an external "
+            f"`printf`, {builtin['failed']} of {builtin['trials']} with bash's builtin") in lesson
+    for old in ("6 of 8 runs", "0 of 8 failed", "11 failed"):  # the old, unrecorded figures
+        assert old not in lesson

@@ -84,7 +84,7 @@ print(out, f"(exit {code_}, {took:.1f} s)")
 #
 # | variable | meaning | use it for |
 # |---|---|---|
-# | `RANK` | global rank, 0 … WORLD_SIZE-1 | `init_process_group` (read by `env://`), who logs and saves |
+# | `RANK` | global rank, 0 … WORLD_SIZE-1, **of this rendezvous round**: it can change at a restart (section 3) | `init_process_group` (read by `env://`), who logs and saves |
 # | `LOCAL_RANK` | rank on this node, 0 … LOCAL_WORLD_SIZE-1 | which GPU: `cuda:{LOCAL_RANK}` |
 # | `WORLD_SIZE`, `LOCAL_WORLD_SIZE` | workers in the job / on this node | sharding data, scaling the LR |
 # | `GROUP_RANK`, `GROUP_WORLD_SIZE` | this node's (agent's) index, number of nodes | per-node work (e.g. one download per node) |
@@ -94,7 +94,22 @@ print(out, f"(exit {code_}, {took:.1f} s)")
 # | `TORCHELASTIC_ERROR_FILE` | where `@record` writes a traceback | section 4 |
 # | `TORCHELASTIC_RUN_ID`, `_USE_AGENT_STORE` | job id, "the store is the agent's" | section 3's pitfall |
 # | `OMP_NUM_THREADS` | set to 1 unless you set it (the warning torchrun prints) | set it to cores ÷ workers |
+# | `TORCH_NCCL_ASYNC_ERROR_HANDLING` | `1` unless you set it: on a NCCL error or timeout, abort the communicators and tear the process down | nothing on gloo; on NCCL a failed or stuck collective ends the worker, so the agent sees a failure, not a hang |
 #
+# The last row is the one variable the agent sets for NCCL: every worker gets
+# `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` unless torchrun itself was started with a value, which is then
+# passed on (`LocalElasticAgent._start_workers`, below; `tests/test_chapter_03_torchrun.py` checks
+# both). `1` is `TearDown` in the `ErrorHandlingMode` enum of the installed header
+# `torch/include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp`: "tear down process upon
+# error". Outside torchrun (`mp.spawn`, a plain `srun` per GPU) nobody sets it, and
+# ProcessGroupNCCL's own default applies, which a comment in the same header calls "the default
+# value (3 - SkipCleanUp)": tear the process down without aborting the communicators first.
+
+# %%
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+show_source(LocalElasticAgent._start_workers, r'"RANK"|TORCH_NCCL_ASYNC_ERROR_HANDLING|str\(1\)')
+
+# %% [markdown]
 # ### Does torchrun set `CUDA_VISIBLE_DEVICES`? No.
 #
 # The article says torchrun "sets CUDA_VISIBLE_DEVICES for each process", which is why you should
@@ -115,7 +130,6 @@ print(f"{'CUDA_VISIBLE_DEVICES=0,1 torchrun ...':<46}", visible_devices(CUDA_VIS
 print(f"{'torchrun --virtual-local-rank ...':<46}", visible_devices("--virtual-local-rank"))
 
 # %%
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 show_source(LocalElasticAgent._set_local_rank_env, r"CUDA_VISIBLE_DEVICES|LOCAL_RANK|virtual")
 
 # %% [markdown]
@@ -170,9 +184,12 @@ show_source(torchrun_module.config_from_args, r"use_env|--local-rank")
 # ## 3. Restarts: the whole group, or nothing
 #
 # `--max-restarts N` (default 0) lets the agent restart the worker group up to N times. *The
-# group*: when any worker fails, the agent stops all of them and starts a fresh set of processes,
-# with `TORCHELASTIC_RESTART_COUNT` one higher. `restart_demo.py` makes rank 1 raise on the first
-# attempt; every rank logs its pid per attempt:
+# group*: when any worker fails, the agent stops all of them (SIGTERM to each worker's process
+# group, SIGKILL for those still alive 30 s later) and starts a fresh set of processes, with
+# `TORCHELASTIC_RESTART_COUNT` one higher. `restart_demo.py` makes rank 1 raise on the first
+# attempt. Rank 0 is healthy and, in that attempt, stays out of collectives (as a rank busy with a
+# long local step would) until the agent stops it; a signal handler logs the SIGTERM, then lets it
+# end the process. Every rank logs its pid and events per attempt:
 
 # %%
 def restart_run(max_restarts):
@@ -186,7 +203,7 @@ print(out, f"(exit {code_}, {took:.1f} s)")
 
 # %%
 outcome = {"raised": ("raised", "tab:red"), "finished": ("finished", "tab:green"),
-           "joined": ("stopped by the agent", "tab:gray")}
+           "SIGTERM": ("stopped by the\nagent (SIGTERM)", "tab:gray")}
 fig, ax = plt.subplots(figsize=(8, 2.4))
 for attempt, rank in sorted({(e["attempt"], e["rank"]) for e in events}):
     mine = [e for e in events if (e["attempt"], e["rank"]) == (attempt, rank)]
@@ -201,6 +218,20 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# The gray box is measured, not assumed: the pid that logged the SIGTERM is the one the agent says
+# it signalled (`Sending process ... closing signal SIGTERM`, from
+# `SubprocessContext._close` in `torch/distributed/elastic/multiprocessing/api.py`):
+
+# %%
+stopped = [e for e in events if e["event"] == "SIGTERM"]
+print("logged by the handler:", [(e["attempt"], e["rank"], e["pid"], f"signal {e['signal']}") for e in stopped])
+print("said by the agent:    ", [l.split("] ", 1)[-1] for l in err.splitlines() if "closing signal" in l])
+
+# %% [markdown]
+# In a real job the healthy ranks are usually *inside* a collective when a peer dies, and they
+# fail on their own first ("Connection closed by peer", exit code 1), before the agent's signal
+# reaches them: section 4's `record_demo.py` is that case, and its report lists both ranks.
+#
 # And with the default `--max-restarts 0` the same failure ends the job:
 
 # %%
@@ -224,22 +255,66 @@ show_source(SimpleElasticAgent._restart_workers, r"Restart|_stop_workers|_initia
 # the top of the script. Nothing of the failed attempt survives but what you saved: resuming needs
 # a checkpoint (chapter 08), and the same OOM will probably happen again.
 #
+# ### A restart is a new rendezvous: RANK can change
+#
+# `_restart_workers` calls `_initialize_workers`, which runs a new rendezvous round
+# (`SimpleElasticAgent._rendezvous`: "Assigns workers a new global rank and world size"). A
+# worker's RANK is its node's base rank plus its LOCAL_RANK (`_assign_worker_ranks`), and the order
+# of the nodes (GROUP_RANK) is decided in each round anew: the c10d rendezvous sorts *that round's*
+# agents by (host name, agent pid, counter) and numbers them in that order
+# (`_mark_rendezvous_complete`; section 5 shows the sort at work). The same agents sort the same
+# way, so a restart on one node, or on nodes that all survived, gives every worker its old RANK.
+# But a node that is replaced (a new agent: another pid, maybe another host) or that joins an
+# elastic job (`--nnodes MIN:MAX`; the agent then restarts the group without spending a restart:
+# "membership changes do not count as retries") re-sorts the nodes, and a worker on an unchanged
+# node can come back with another RANK and another WORLD_SIZE. Read both afresh in every attempt,
+# and do not reload per-rank state by rank number without checking that the world that wrote it is
+# the one you are in.
+
+# %%
+show_source(SimpleElasticAgent._rendezvous, r"Assigns workers|group_rank = rdzv_info.rank")
+show_source(SimpleElasticAgent._assign_worker_ranks, r"global_rank=base_global_rank")
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+show_source(dynamic_rendezvous._DistributedRendezvousOpExecutor._mark_rendezvous_complete,
+            r"sorted\(state.participants\)|participants\[node\] = rank")
+show_source(dynamic_rendezvous._NodeDesc, r"order=True|addr: str|pid: int|local_id: int")
+show_source(dynamic_rendezvous._NodeDescGenerator.generate, r"return _NodeDesc")
+show_source(SimpleElasticAgent._invoke_run, r"membership changes|num_nodes_waiting > 0")
+
+# %% [markdown]
 # **A pitfall the demo works around.** In torch 2.13 the agent keeps one TCP store for the whole
 # job and hands it to every attempt (`_bootstrap_store_info` is cached below). Keys that the dead
 # attempt's ranks wrote there, such as their network addresses for gloo, are still there. A fresh
-# rank can read one and dial a dead process: `init_process_group` then fails with "Connection
-# refused" or a connect timeout. With plain `env://` (`restart_demo.py --plain-init`) 6 of 8 runs
-# failed that way while this chapter was written. The demo joins under a prefix private to the
-# attempt (`PrefixStore(f"restart_{TORCHELASTIC_RESTART_COUNT}", store)`): 0 of 8 failed. On several nodes, where
-# each agent keeps its own restart count
+# rank can read one and dial a dead process: `init_process_group` then fails in gloo's connect
+# ("Gloo connectFullMesh failed", a refused connection or a connect timeout), and the restart is
+# spent. `restart_demo.py --plain-init` joins with plain `env://` and runs into it. The demo joins
+# under a prefix private to the attempt (`PrefixStore(f"restart_{TORCHELASTIC_RESTART_COUNT}",
+# store)`). On several nodes, where each agent keeps its own restart count
 # ([pytorch#108158](https://github.com/pytorch/pytorch/issues/108158)), launch with
 # `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` instead: every attempt then gets a new store on a new port,
-# and plain `env://` is fine (0 of 6 runs failed). Background:
+# and plain `env://` is fine. Background:
 # [pytorch#135712](https://github.com/pytorch/pytorch/issues/135712).
 
 # %%
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 show_source(DynamicRendezvousHandler.next_rendezvous, r"TORCH_DISABLE_SHARE|_bootstrap_store_info is None|_create_tcp_store_server")
+
+# %% [markdown]
+# How often each way fails is a race, which one live run cannot measure and this notebook does not
+# attempt: `benchmarks/ch03_restart_races.py` repeats the runs and writes the counts, with the
+# machine, date, torch version, load and command, to `benchmarks/results/ch03_restart_races.json`.
+# In that recorded run plain `env://` failed in 5 of 6 runs; the private prefix in 0 of
+# 6, the fresh store in 0 of 6. (Earlier versions of this chapter quoted counts from
+# runs that were never recorded; these replace them.)
+
+# %%
+from ddpcourse.timing import describe, load_reference
+races = load_reference("ch03_restart_races.json")
+print(describe(races), "\nreproduce with:", races["command"])
+for variant in races["restarts"]:
+    print(f"  {variant['failed']} of {variant['runs']} failed  {variant['variant']}")
+    for error in sorted({o["error"].split(", remote=")[0] for o in variant["outcomes"] if o["error"]}):
+        print(f"      {error[:100]}")
 
 # %% [markdown]
 # ## 4. Reading a failure: `@record` and ChildFailedError
@@ -274,9 +349,10 @@ for path in sorted(logs.glob("*/attempt_0/*/error.json")):
 #   --no-record` shows the same, checked in `tests/test_chapter_03_torchrun.py`).
 # * **"Root Cause (first observed failure)"** is the failure with the smallest timestamp, and the
 #   timestamps have **whole-second** resolution (the `int(time.time())` below). When the culprit
-#   and its victims fail within the same second, any of them can be named; while this chapter was
-#   written, a run without `@record` named rank 0, the victim. Read every entry, and look for the
-#   first error that is *not* "Connection closed/reset by peer".
+#   and its victims fail within the same second, any of them can be named: in the recorded runs of
+#   `record_demo.py --no-record` (printed below), the report named rank 0, the victim, in 2 of
+#   6. Read every entry, and look for the first error that is *not* "Connection closed/reset by
+#   peer".
 # * Set `TORCHELASTIC_ERROR_FILE` for torchrun itself and the agent copies the root cause's error
 #   file there, for a scheduler to collect.
 
@@ -286,6 +362,7 @@ show_source(ChildFailedError.get_first_failure, r"min\(")
 show_source(ProcessFailure._set_no_reply_file, r"time\.time")   # no error file: when the agent noticed
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 show_source(ErrorHandler.record_exception, r"timestamp")           # @record's error file
+print("recorded:", races["root_cause_without_record"])
 
 # %% [markdown]
 # ## 5. Many nodes: meeting at one address
@@ -295,7 +372,7 @@ show_source(ErrorHandler.record_exception, r"timestamp")           # @record's e
 # * **static:** `--nnodes 2 --node_rank K --master-addr HEAD --master-port PORT`: node 0 hosts the
 #   store at HEAD:PORT, the others dial it.
 # * **c10d (dynamic):** `--nnodes 2 --rdzv-backend c10d --rdzv-endpoint HEAD:PORT --rdzv-id JOB`:
-#   the same command on every node, node ranks given out as agents arrive, and `--nnodes MIN:MAX`
+#   the same command on every node, node ranks given out by the rendezvous, and `--nnodes MIN:MAX`
 #   for elastic jobs ([rendezvous docs](https://docs.pytorch.org/docs/stable/elastic/rendezvous.html)).
 #
 # **The article's two-node command omits `--master-addr` and `--master-port`.** Their defaults are
@@ -313,8 +390,16 @@ for form in ("static", "c10d"):
     print("\n".join(l for l in out.splitlines() if "torchrun" in l or "rank" in l))
 
 # %% [markdown]
-# In the c10d run, look at which terminal became node 0: the first agent to arrive.
-#
+# In the c10d run, which terminal became node 0? Not the first to arrive: c10d sorts the agents by
+# (host name, agent pid) (section 3), and here both agents run on the same host, so node 0 is the
+# agent with the smaller pid. Every worker printed its agent's pid (its parent process):
+
+# %%
+agent_of_node = {int(node): int(pid) for node, pid in re.findall(r"node (\d) of \d.*agent pid (\d+)", out)}
+print("c10d: node -> agent pid", agent_of_node, "| node 0's agent has the smaller pid:",
+      agent_of_node[0] < agent_of_node[1])
+
+# %% [markdown]
 # **The article:** c10d rendezvous "is based on the file system". **No:** by default it keeps its
 # state in a `TCPStore`, hosted by the agent whose host matches the endpoint (the others connect
 # to it); a `FileStore` is an opt-in (`--rdzv-conf store_type=file`). The installed source:
@@ -378,7 +463,9 @@ for mode in ("c10d", "static"):
 #   (`--log` for `--log-dir`, say) was rejected as ambiguous while this chapter was written; put
 #   the script's options after the script and give them unambiguous names.
 # * **`pipefail` + `| head -n1`** in a batch file: the writer can die of SIGPIPE (exit 141) and take
-#   the job down (20 trials of `printf` of 2000 hosts into `head -n1` under pipefail: 11 failed).
+#   the job down. In the recorded run (`pipes` in the record above), with 2000 host names under
+#   pipefail, 14 of 20 pipelines failed with an external `printf`, 11 of 20 with bash's
+#   builtin one. `slurm_torchrun.sbatch` turns pipefail off for that one pipe and checks the result.
 #
 # ## Summary
 #
@@ -387,9 +474,13 @@ for mode in ("c10d", "static"):
 #   `--virtual-local-rank`.
 # * `mp.spawn` starts processes and nothing more; `torch.distributed.launch` is torchrun plus a
 #   `--local-rank` argument and a deprecation warning.
-# * `--max-restarts N` restarts the whole group up to N times; 0 (default) means the first failure
-#   ends the job.
+# * Every worker also gets `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` (a NCCL error or timeout tears the
+#   process down) unless torchrun was given another value.
+# * `--max-restarts N` restarts the whole group up to N times (the agent SIGTERMs the healthy
+#   workers first); 0 (default) means the first failure ends the job.
+# * RANK and WORLD_SIZE belong to one rendezvous round: a restart or a membership change can give a
+#   worker on the same node another RANK. Read them afresh in every attempt.
 # * `@record` puts tracebacks into ChildFailedError and error files.
 # * Multi-node: the same endpoint on every node (static: `--node_rank`, `--master-addr/port`;
-#   c10d: `--rdzv-endpoint/--rdzv-id`, a TCPStore in an agent); on SLURM derive them from the
-#   allocation, one torchrun per node.
+#   c10d: `--rdzv-endpoint/--rdzv-id`, a TCPStore in an agent, node ranks by sorted (host, agent
+#   pid)); on SLURM derive them from the allocation, one torchrun per node.

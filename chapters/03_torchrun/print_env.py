@@ -4,7 +4,8 @@
 
 Every rank reads the variables torchrun's elastic agent puts in a worker's environment (RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR, MASTER_PORT, the
-TORCHELASTIC_* family, ...) plus CUDA_VISIBLE_DEVICES, which torchrun does *not* set by default.
+TORCHELASTIC_* family, TORCH_NCCL_ASYNC_ERROR_HANDLING, ...) plus CUDA_VISIBLE_DEVICES, which
+torchrun does *not* set by default.
 Rank 0 gathers every rank's view and prints one table, so the output is in rank order.
 
 Try it with ``CUDA_VISIBLE_DEVICES=0,1`` in front (every rank inherits the same value, unchanged)
@@ -27,6 +28,7 @@ from ddpcourse.dist_env import process_group
 LAUNCHER_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 )
 NOT_SET_BY_DEFAULT = ("CUDA_VISIBLE_DEVICES",)
 UNSET = "(unset)"

@@ -6,8 +6,9 @@
 #   bash chapters/03_torchrun/two_nodes_on_one_machine.sh lonely   # node 1 alone: never meets
 #
 # A free port is chosen at run time (bind port 0, read it, close it), never a fixed one. Each
-# command's output is prefixed "[terminal N]", as if typed in two terminals (with c10d, terminal 1
-# may well become node 0: agents are numbered as they arrive). NPROC_PER_NODE (default 1) sets
+# command's output is prefixed "[terminal N]", as if typed in two terminals (with c10d, either
+# terminal can become node 0: c10d sorts the agents by host name, then pid, and here the host is
+# the same, so the agent with the smaller pid is node 0). NPROC_PER_NODE (default 1) sets
 # the workers per node; TORCHRUN and PYTHON override the commands used. The exit code is
 # non-zero if either node failed.
 set -euo pipefail
