@@ -104,9 +104,11 @@ _demos.backend_of_environment()
 #    self.device_type, self.device_ids[0]), ...)`) and the output stays there.
 #
 # **Without step 1** every process's current device is GPU 0: `torch.ones(1, device="cuda")`,
-# `.cuda()` and the CUDA context of *every* rank land on GPU 0, which then runs out of memory
-# (a context alone takes hundreds of MB) while the other GPUs idle, and NCCL refuses two ranks on
-# one GPU. `gpu_setup.py` runs the set-up above and, with `--forget-set-device`, the careless one,
+# `.cuda()` and the CUDA context of *every* rank land on GPU 0, so GPU 0 holds N contexts and N
+# copies of whatever went to plain `"cuda"` while the other GPUs idle; and NCCL refuses two ranks
+# of one communicator on one GPU (`ncclInvalidUsage`, "Duplicate GPU detected", in
+# `initTransportsRank` of [NCCL's `src/init.cc`](https://github.com/NVIDIA/nccl/blob/master/src/init.cc)).
+# `gpu_setup.py` runs the set-up above and, with `--forget-set-device`, the careless one,
 # and prints where each rank's tensors are. It needs one GPU per rank; elsewhere it says so and
 # exits 0 (`tests/test_chapter_04_process_groups.py` runs it both ways, and for real where there
 # are GPUs).
