@@ -1,8 +1,11 @@
 """Chapter 06 (data loading): what ``DistributedSampler`` returns, the padded-evaluation bias and
-its fixes, ``set_epoch``, and the uneven-inputs demo (fails without a fix, runs with one).
+its fixes, ``set_epoch``, and the uneven-inputs demo (stops where the lesson says without a fix,
+runs with one).
 
-Multi-rank checks use ``run_ranks`` (deadlines, no ports); ``uneven_inputs.py`` is launched
-under torchrun (``--standalone``: the OS picks the port) with a deadline, killed as a group.
+Multi-rank checks use ``run_ranks`` (deadlines, no ports); demos that must block run DDP on a group
+whose short timeout starts after a barrier (``_short_timeout.py``), so the error is the hang, not
+start-up skew. ``uneven_inputs.py`` is launched under torchrun (``--standalone``: the OS picks the
+port) with a deadline, killed as a group.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from ddpcourse.launcher import RankTimeoutError, run_bounded, run_ranks
+from ddpcourse.launcher import run_bounded, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "chapters" / "06_data_loading"
@@ -23,6 +28,7 @@ sys.path.insert(0, str(CHAPTER))  # the ranks get this sys.path too
 import eval_without_duplicates as ev  # noqa: E402
 import sampler_shards as ss  # noqa: E402
 import uneven_inputs as ui  # noqa: E402
+from _short_timeout import short_timeout_group  # noqa: E402
 
 SIZES = [(n, w) for n in range(1, 12) for w in range(1, 5)]
 
@@ -89,11 +95,29 @@ def test_evaluations_agree_when_nothing_is_padded(no_orphans):
     assert r["naive"] == pytest.approx(r["single process"], rel=1e-6)
 
 
-def test_uneven_batches_block_ddp_and_the_fixes_run(no_orphans):
-    with pytest.raises(RankTimeoutError):
-        run_ranks(ui.train, 2, "none", timeout=5, relay_output=False)
+def test_uneven_batches_stop_rank0_in_its_third_backward_and_rank1_at_the_barrier(no_orphans):
+    rank0, rank1 = run_ranks(ui.where_it_stops, 2, timeout=60)
+    assert rank0["batches done"] == 2 and rank0["code"].endswith(".backward()"), rank0
+    assert rank1["batches done"] == 2 and rank1["code"].startswith("dist.barrier("), rank1
+    assert "Timed out waiting 3000ms" in rank1["error"], rank1
+
+
+def test_the_fixes_of_uneven_batches_run(no_orphans):
     assert run_ranks(ui.train, 2, "sampler", timeout=30) == [3, 3]
     assert run_ranks(ui.train, 2, "join", timeout=30) == [3, 2]
+
+
+def test_the_short_timeout_clock_starts_after_a_barrier(no_orphans):
+    """A rank that starts 5 s late (a loaded machine) does not trip a 3 s group timeout."""
+    def late_start(rank, world_size):
+        if rank == 1:
+            import time
+            time.sleep(5)
+        group = short_timeout_group(3.0)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        return t.item()
+    assert run_ranks(late_start, 2, timeout=60) == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("fix", ui.FIXES)

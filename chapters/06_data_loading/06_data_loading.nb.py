@@ -40,7 +40,7 @@
 # every epoch, or every epoch sees the same order, is right (section 4).
 
 # %%
-import linecache, os, sys
+import os, sys
 from collections import Counter
 from pathlib import Path
 
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, get_worker_info
 
-from ddpcourse.launcher import RankTimeoutError, prestart, run_ranks
+from ddpcourse.launcher import prestart, run_ranks
 from ddpcourse.toys import make_regression
 
 sys.path.insert(0, str(Path.cwd()))     # the notebook runs in chapters/06_data_loading
@@ -282,26 +282,28 @@ print("distinct worker processes:", len({p for info in per_rank for p in info["w
 # hand-made split such as `indices[rank::W]` of 9 samples gives rank 0 five samples (3 batches of
 # 2) and rank 1 four (2 batches). `ui.train` runs one epoch and ends with a `dist.barrier()` (as
 # before saving a checkpoint). Rank 1 reaches the barrier while rank 0 waits in its third backward
-# for gradients that never come. With the default process-group timeout (minutes) that is a hang;
-# here `run_ranks` stops it after 5 s and shows where each rank was:
+# for gradients that never come. With the default process-group timeout (30 min on gloo, 10 min on
+# NCCL) that is a hang. `ui.where_it_stops` runs DDP and the barrier on a group with a 3 s timeout
+# whose clock starts after a barrier, once both ranks are up (`_short_timeout.py`: on a loaded
+# machine one rank can start seconds after the other, and a clock that counted start-up would stop
+# a rank that is still inside `DDP(...)`). Each rank reports the line of `ui.train` where its wait
+# ended, and how many batches it had finished:
 
 # %%
-try:
-    run_ranks(ui.train, 2, "none", timeout=5, relay_output=False)
-except RankTimeoutError as error:
-    print(str(error).splitlines()[0])
-    for line in str(error).splitlines():   # each rank's stack: where in ui.train was it?
-        if "did not finish" in line:
-            rank = line.split()[1]
-        elif "uneven_inputs.py" in line:
-            number = int(line.split("line")[1].split()[0])
-            print(f"  rank {rank} stuck at uneven_inputs.py:{number}: {linecache.getline(ui.__file__, number).strip()}")
+stops = run_ranks(ui.where_it_stops, 2, timeout=60)
+for rank, stop in enumerate(stops):
+    print(f"rank {rank}: {stop['batches done']} batches done, stopped at uneven_inputs.py:{stop['line']}: "
+          f"{stop['code']}\n        {stop['error'].split('] ')[-1]}")
+assert stops[0]["batches done"] == 2 and stops[0]["code"].endswith(".backward()")  # in its third backward
+assert stops[1]["batches done"] == 2 and stops[1]["code"].startswith("dist.barrier(")  # at the barrier
 
 # %% [markdown]
-# `uneven_inputs.py --fix none` runs the same under torchrun, DDP on a group with a 3 s
-# timeout: both ranks raise `RuntimeError: ... Timed out waiting 3000ms` and the job exits non-zero
-# (the chapter's test checks it). Mismatched collectives can also end in an abort instead of a
-# hang, depending on which collectives meet; either way the job is lost.
+# Rank 0 finished two batches and its error comes out of the third backward, whose gradient
+# all-reduce nobody answered; rank 1 finished its two and waits in the barrier. `uneven_inputs.py
+# --fix none` runs the same under torchrun: both ranks raise `RuntimeError: ... Timed out waiting
+# 3000ms` and the job exits non-zero (the chapter's test checks it). Mismatched collectives can
+# also end in an abort instead of a hang, depending on which collectives meet; either way the job
+# is lost.
 #
 # **Fix 1: equal shards.** `DistributedSampler` gives every rank `ceil(n / W)` samples, so the
 # same number of batches (at the price of the repeats of section 2). **Fix 2: `Join`.** When the

@@ -13,8 +13,9 @@ Nine samples, batches of two, DDP on a tiny model. ``--fix none`` shards the dat
 leaves the loop and waits in the ``dist.barrier()`` that usually precedes saving a checkpoint,
 while rank 0 waits in its third backward for rank 1's gradients. DDP and that barrier use a
 process group with a 3-second timeout (``--timeout-s``, a demo value; the default is minutes),
-which turns the wait into an error and a non-zero exit. Everything else (joining, creating that
-group, the final summary) runs on the default group with a generous timeout, so that a loaded
+which turns the wait into an error and a non-zero exit. That group is created after a barrier
+(``_short_timeout.short_timeout_group``), so its clock starts when every rank is ready; joining,
+start-up and the final summary run on the default group with a generous timeout, so that a loaded
 machine, where one rank starts seconds after the other, cannot trip the short one by accident.
 
 ``--fix sampler`` uses ``DistributedSampler``, whose shards have equal lengths (it repeats samples).
@@ -27,8 +28,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import linecache
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from _short_timeout import short_timeout_group
 from ddpcourse.dist_env import process_group
 from ddpcourse.toys import make_model, make_regression
 
@@ -63,6 +65,26 @@ def train(rank: int, world_size: int, fix: str, n: int = 9, batch_size: int = 2,
     return batches
 
 
+def where_it_stops(rank: int, world_size: int, timeout_s: float = 3.0) -> dict:
+    """``train(..., "none")`` on a group with a ``timeout_s`` clock started after a barrier.
+
+    Returns where this rank's wait ended in an error: the line of :func:`train` that raised, how
+    many batches it had finished, and the error's first line (``None`` values if nothing raised).
+    """
+    group = short_timeout_group(timeout_s)
+    try:
+        return {"batches done": train(rank, world_size, "none", group=group), "line": None,
+                "code": None, "error": None}
+    except RuntimeError as error:
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code is not train.__code__:
+            tb = tb.tb_next
+        frame = tb.tb_frame
+        return {"batches done": frame.f_locals["batches"], "line": tb.tb_lineno,
+                "code": linecache.getline(__file__, tb.tb_lineno).strip(),
+                "error": str(error).splitlines()[0]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fix", choices=FIXES, default="join")
@@ -70,8 +92,7 @@ def main() -> int:
                         help="timeout of the group DDP trains on (default: %(default)s)")
     args = parser.parse_args()
     with process_group(timeout_s=120) as ctx:
-        dist.barrier()  # on the patient world group: both ranks are here before the clock gets short
-        training_group = dist.new_group(timeout=timedelta(seconds=args.timeout_s))
+        training_group = short_timeout_group(args.timeout_s)
         batches = torch.tensor([train(ctx.rank, ctx.world_size, args.fix, group=training_group)])
         gathered = [torch.zeros_like(batches) for _ in range(ctx.world_size)]
         dist.all_gather(gathered, batches)
