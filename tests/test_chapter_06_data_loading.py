@@ -1,6 +1,7 @@
 """Chapter 06 (data loading): what ``DistributedSampler`` returns, the padded-evaluation bias and
-its fixes, ``set_epoch``, and the uneven-inputs demo (stops where the lesson says without a fix,
-runs with one).
+its fixes, rank-0 evaluation through DDP (blocks) and through ``model.module`` (exact),
+``set_epoch``, and the uneven-inputs demo (stops where the lesson says without a fix, runs with
+one).
 
 Multi-rank checks use ``run_ranks`` (deadlines, no ports); demos that must block run DDP on a group
 whose short timeout starts after a barrier (``_short_timeout.py``), so the error is the hang, not
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpcourse.launcher import run_bounded, run_ranks
 
@@ -118,6 +120,54 @@ def test_the_short_timeout_clock_starts_after_a_barrier(no_orphans):
         dist.all_reduce(t, group=group)
         return t.item()
     assert run_ranks(late_start, 2, timeout=60) == [2.0, 2.0]
+
+
+def test_rank0_evaluating_through_ddp_blocks_in_the_buffer_broadcast(no_orphans):
+    rank0, rank1 = run_ranks(ev.rank0_evaluates, 2, "ddp", timeout=60)
+    assert rank0["mse"] is None and "Timed out" in rank0["error"], rank0
+    assert rank0["raised in"][:3] == ["forward", "_pre_forward", "_sync_buffers"], rank0
+    assert rank1 == {"mse": None, "error": None, "raised in": None}
+
+
+@pytest.mark.parametrize("with_buffers", [True, False])
+def test_rank0_evaluating_model_module_is_exact(with_buffers, no_orphans):
+    rank0 = run_ranks(ev.rank0_evaluates, 2, "module", with_buffers, timeout=60)[0]
+    every_rank = run_ranks(ev.rank0_evaluates, 2, "ddp, every rank", with_buffers, timeout=60)
+    assert rank0["error"] is None and isinstance(rank0["mse"], float)
+    assert [r["mse"] for r in every_rank] == [rank0["mse"]] * 2
+
+
+def test_without_buffers_rank0_gets_through_ddp_under_no_grad(no_orphans):
+    plain = run_ranks(ev.rank0_evaluates, 2, "module", with_buffers=False, timeout=60)[0]
+    wrapped = run_ranks(ev.rank0_evaluates, 2, "ddp", with_buffers=False, timeout=60)[0]
+    assert wrapped["error"] is None and wrapped["mse"] == plain["mse"]
+
+
+def test_without_buffers_only_the_bucket_rebuild_blocks_rank0(no_orphans):
+    """Grad on, after one step: the first forward after the first backward rebuilds the buckets (a
+    broadcast); after two steps it has happened, and rank 0 alone gets through."""
+    once = run_ranks(ev.rank0_evaluates, 2, "ddp", with_buffers=False, grad=True, train_steps=1,
+                     timeout=60)[0]
+    assert once["raised in"] == ["forward", "_pre_forward"], once
+    twice = run_ranks(ev.rank0_evaluates, 2, "ddp", with_buffers=False, grad=True, train_steps=2,
+                      timeout=60)[0]
+    assert twice["error"] is None, twice
+
+
+def buffers_broadcast_once_after_training(rank, world_size):
+    model = DDP(ev.small_net(with_buffers=True), process_group=short_timeout_group(3.0))
+    x = torch.ones(4, 8)
+    model(x).sum().backward()
+    with torch.no_grad():
+        model(x)  # every rank: the broadcast that follows a forward with gradients enabled
+        if rank == 0:
+            model(x)  # rank 0 alone: the no_grad forward before cleared require_forward_param_sync
+    dist.barrier(group=model.process_group)
+    return model.require_forward_param_sync
+
+
+def test_a_no_grad_forward_stops_the_next_buffer_broadcast(no_orphans):
+    assert run_ranks(buffers_broadcast_once_after_training, 2, timeout=60) == [False, False]
 
 
 @pytest.mark.parametrize("fix", ui.FIXES)

@@ -176,8 +176,74 @@ for n, world_size in ((10, 3), (7, 2), (9, 3)):
 # Correct ways, both implemented and checked above: keep the sampler but gather per-sample results
 # **with their indices** and de-duplicate (needs the dataset to give each sample a stable index);
 # or shard without padding (`range(rank, n, W)`; shards differ in length by at most one) and reduce
-# sums and counts, never means of means. Evaluating everything on rank 0 alone is also correct,
-# only slower. Do not use `drop_last=True` for evaluation: it silently skips samples.
+# sums and counts, never means of means. Do not use `drop_last=True` for evaluation: it silently
+# skips samples.
+#
+# ### Evaluating on rank 0 alone: not through the DDP wrapper
+#
+# A third way looks simplest: rank 0 evaluates the whole set while the other ranks wait. An earlier
+# version of this chapter called that "also correct, only slower". **Through the DDP wrapper it is
+# not: it can hang.** DDP's forward is more than a call of your model:
+# `DistributedDataParallel._pre_forward`
+# ([distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py))
+# can run collectives, which need every rank of DDP's group:
+#
+# * it **broadcasts the model's buffers** from rank 0 (`_sync_buffers`) when
+#   `will_sync_module_buffers()` holds: the model has buffers (BatchNorm's running mean and
+#   variance, for instance),
+#   `forward_sync_buffers` is on (the default; torch 2.13 deprecates its old name
+#   `broadcast_buffers`), and `require_forward_param_sync` is set, which it is after construction
+#   and after every forward with gradients enabled (`_post_forward`; a forward under `no_grad`
+#   clears it): the first evaluation forward after training broadcasts, which is enough to hang;
+# * with gradients enabled, the first forward after the first backward **rebuilds the gradient
+#   buckets** and broadcasts their order from rank 0 (`self.reducer._rebuild_buckets()`; "this
+#   function makes broadcast communication call", `rebuild_buckets` in
+#   torch/include/torch/csrc/distributed/c10d/reducer.hpp of the installed wheel).
+#
+# So a model **without buffers**, evaluated under `torch.no_grad()`, runs no collective in DDP's
+# forward, and rank 0 alone gets through. That is an exception resting on implementation details:
+# add a BatchNorm, or evaluate with gradients enabled after a single training step, and rank 0
+# waits for ranks that are sitting in a barrier. `ev.rank0_evaluates` trains two steps, then rank 0
+# evaluates while the others wait at a barrier of the default group. DDP runs on a group whose 3 s
+# timeout starts after a barrier (`_short_timeout.py`), so slow start-up cannot trip it and the
+# error is the hang:
+
+# %%
+cases = {"DDP model, BatchNorm": dict(call="ddp"),
+         "model.module, BatchNorm": dict(call="module"),
+         "DDP model, no buffers, no_grad": dict(call="ddp", with_buffers=False),
+         "DDP model, no buffers, grad on, after 1 step": dict(call="ddp", with_buffers=False, grad=True, train_steps=1)}
+outcomes = {}
+for label, kwargs in cases.items():
+    rank0 = outcomes[label] = run_ranks(ev.rank0_evaluates, 2, timeout=60, **kwargs)[0]
+    print(f"rank 0 evaluates {label:<45}", f"MSE {rank0['mse']:.5f}" if rank0["error"] is None else
+          f"{rank0['error'].split('] ')[-1]}\n{'':62}raised in DDP's {' > '.join(rank0['raised in'])}")
+assert "_sync_buffers" in outcomes["DDP model, BatchNorm"]["raised in"]
+assert outcomes["model.module, BatchNorm"]["error"] is None
+assert outcomes["DDP model, no buffers, no_grad"]["error"] is None
+assert outcomes["DDP model, no buffers, grad on, after 1 step"]["raised in"][-1] == "_pre_forward"
+
+# %% [markdown]
+# Rank 0's buffer broadcast (`forward > _pre_forward > _sync_buffers > ...`) waited 3 s for a
+# receiver that never came; with the default timeout (30 min on gloo, 10 min on NCCL, per
+# `init_process_group`'s docstring) the job would sit there. The bucket rebuild ends the same way
+# (its broadcast runs in C++, so `_pre_forward` is the last Python frame). These runs use gloo;
+# with NCCL collectives are queued on the GPU and the host moves on, so where the job stops may
+# differ (not run here), but the collectives are unmatched all the same.
+#
+# **The fix**: rank 0 evaluates `model.module`, the wrapped model itself (the same parameters, no
+# collectives), while the other ranks wait at a barrier whose timeout is longer than the
+# evaluation takes (a long evaluation needs `init_process_group(timeout=...)` or a group of its
+# own). Or evaluate on all ranks, as above, which is also faster.
+#
+# ```python
+# if rank == 0:
+#     model.module.eval()
+#     with torch.no_grad():
+#         score = evaluate(model.module, whole_eval_set)
+#     model.module.train()
+# dist.barrier()   # the others wait here: its group's timeout must exceed the evaluation
+# ```
 #
 # ## 4. `set_epoch`: a new order every epoch, the same order on every rank
 #
@@ -332,6 +398,8 @@ for fix in ("sampler", "join"):
 #   samples are seen twice per epoch (section 2).
 # * **Evaluating with the training sampler and averaging means**: biased when `n % W != 0`
 #   (section 3). De-duplicate by index, or reduce sums and counts over unpadded shards.
+# * **Rank 0 evaluating through the DDP wrapper** while the others wait: DDP's forward broadcasts
+#   buffers (or rebuilds buckets) and waits for them (section 3). Call `model.module` on rank 0.
 # * **`drop_last=True` in evaluation**: skips samples silently.
 # * **Forgetting `sampler.set_epoch(epoch)`**: every epoch gets the same order (section 4). Call it
 #   before creating the epoch's iterator (`for batch in loader`), on every rank, with the same epoch.
@@ -348,7 +416,8 @@ for fix in ("sampler", "join"):
 # * `DistributedSampler` gives rank r every W-th index of one order that all ranks share, padded to
 #   `ceil(n / W)` indices per rank by **repeating the first indices** (or cut with `drop_last`).
 # * The repeats bias evaluation metrics that average per-rank means; gather per-sample results with
-#   their indices and de-duplicate, or reduce sums and counts over unpadded shards.
+#   their indices and de-duplicate, or reduce sums and counts over unpadded shards. Evaluating on
+#   rank 0 alone works only through `model.module`.
 # * The order is a permutation seeded by `seed + epoch`: call `set_epoch` every epoch and use the
 #   same `seed` on every rank.
 # * Global batch = per-rank batch x W; scaling the learning rate with it is a heuristic.

@@ -16,16 +16,24 @@ not divide by the world size, three ways:
 
 Rank 0 prints the four numbers and exits with code 1 unless the last two equal the reference and
 the naive one does not.
+
+The lesson also imports :func:`rank0_evaluates`: evaluation on rank 0 alone while the other ranks
+wait at a barrier. Through the DDP wrapper it blocks (the forward's buffer broadcast, or the
+one-time bucket rebuild, waits for ranks that are not there); through ``model.module`` it is exact.
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
+from _short_timeout import short_timeout_group
 from ddpcourse.dist_env import process_group
 from ddpcourse.toys import make_model, make_regression
 
@@ -71,6 +79,48 @@ def sum_and_count(n: int) -> float:
     totals = torch.tensor([errors.sum().item(), float(len(shard))], dtype=torch.float64)
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
+
+
+def small_net(with_buffers: bool) -> nn.Module:
+    """A fixed small regression net; ``with_buffers`` adds a BatchNorm (running mean and variance
+    are buffers, as in most vision models)."""
+    torch.manual_seed(0)
+    norm = [nn.BatchNorm1d(16)] if with_buffers else []
+    return nn.Sequential(nn.Linear(8, 16), *norm, nn.Tanh(), nn.Linear(16, 1))
+
+
+def rank0_evaluates(rank: int, world_size: int, call: str, with_buffers: bool = True,
+                    grad: bool = False, train_steps: int = 2, timeout_s: float = 3.0) -> dict:
+    """Train ``train_steps`` DDP steps, then rank 0 evaluates the whole set while the others wait.
+
+    ``call`` is ``"ddp"`` (rank 0 calls the DDP model) or ``"module"`` (rank 0 calls
+    ``model.module``, the wrapped model); ``"ddp, every rank"`` is the reference: every rank calls
+    the DDP model, so its collectives meet. DDP runs on a group whose ``timeout_s`` clock starts
+    after a barrier; the waiting ranks sit in a barrier of the patient default group, which rank 0
+    joins when it is done, also after an error. Returns this rank's MSE (if it evaluated), or the
+    error and the functions of torch/nn/parallel/distributed.py it was raised in.
+    """
+    x, y = make_regression(64, seed=1).tensors
+    model = DDP(small_net(with_buffers), process_group=short_timeout_group(timeout_s))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(train_steps):
+        batch = slice(8 * (world_size * step + rank), 8 * (world_size * step + rank + 1))
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x[batch]), y[batch]).backward()
+        optimizer.step()
+    result: dict = {"mse": None, "error": None, "raised in": None}
+    if rank == 0 or call == "ddp, every rank":
+        evaluated = model.module if call == "module" else model
+        evaluated.eval()
+        try:
+            with torch.set_grad_enabled(grad):
+                result["mse"] = torch.nn.functional.mse_loss(evaluated(x), y).item()
+        except RuntimeError as error:
+            result["error"] = str(error).splitlines()[0]
+            result["raised in"] = [frame.name for frame in traceback.extract_tb(error.__traceback__)
+                                   if frame.filename.endswith("nn/parallel/distributed.py")]
+    dist.barrier()  # the others wait here while rank 0 evaluates (default group: patient)
+    return result
 
 
 def evaluate_all(rank: int, world_size: int, n: int) -> dict[str, float]:
