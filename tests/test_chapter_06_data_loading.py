@@ -1,7 +1,7 @@
 """Chapter 06 (data loading): what ``DistributedSampler`` returns, the padded-evaluation bias and
 its fixes, rank-0 evaluation through DDP (blocks) and through ``model.module`` (exact),
-``set_epoch``, and the uneven-inputs demo (stops where the lesson says without a fix, runs with
-one).
+``set_epoch``, loading without a sampler, the DataLoader workers' start method, and the
+uneven-inputs demo (stops where the lesson says without a fix, runs with one).
 
 Multi-rank checks use ``run_ranks`` (deadlines, no ports); demos that must block run DDP on a group
 whose short timeout starts after a barrier (``_short_timeout.py``), so the error is the hang, not
@@ -12,6 +12,7 @@ port) with a deadline, killed as a group.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import sys
 from collections import Counter
 from pathlib import Path
@@ -168,6 +169,24 @@ def buffers_broadcast_once_after_training(rank, world_size):
 
 def test_a_no_grad_forward_stops_the_next_buffer_broadcast(no_orphans):
     assert run_ranks(buffers_broadcast_once_after_training, 2, timeout=60) == [False, False]
+
+
+def test_without_a_sampler_the_same_seed_gives_every_rank_the_same_batches(no_orphans):
+    same = run_ranks(ss.whole_dataset_batches, 2, same_seed=True, seed=1, timeout=30)
+    assert same[0] == same[1]
+    own = run_ranks(ss.whole_dataset_batches, 2, same_seed=False, seed=1, timeout=30)
+    assert own[0] != own[1]
+    for batches in same + own:  # every rank reads the whole dataset either way
+        assert sorted(i for b in batches for i in b) == list(range(8))
+
+
+def test_the_workers_start_method_is_pythons_default_for_this_platform_and_version():
+    assert torch.multiprocessing.get_start_method() == multiprocessing.get_start_method()
+    if sys.platform in ("darwin", "win32"):
+        expected = "spawn"
+    else:
+        expected = "fork" if sys.version_info < (3, 14) else "forkserver"
+    assert multiprocessing.get_start_method() == expected
 
 
 @pytest.mark.parametrize("fix", ui.FIXES)

@@ -16,10 +16,13 @@
 # # 06 · Data loading: one shard per rank, and what the sampler does at the edges
 #
 # **The problem.** DDP runs the same training loop in N processes. If each process iterates over
-# the whole dataset, the N ranks compute gradients on the *same* samples, average N copies of one
-# gradient, and an epoch costs N times the work for nothing. Each rank must read a different
-# **shard**, all shards together must cover the dataset, and every rank must run the same number
-# of steps, because every step ends in collectives that need everybody.
+# the whole dataset, an epoch costs N times the work: every sample is processed N times. If the
+# ranks also iterate in the *same order* (no shuffling, or the same seed on every rank), every step
+# computes N gradients of the same batch and averages N copies of one gradient; if their orders
+# differ, a step averages different batches, but the epoch still goes over the data N times
+# (section 1 shows both). Each rank must read a different **shard**, all shards together must
+# cover the dataset, and every rank must run the same number of steps, because every step ends in
+# collectives that need everybody.
 #
 # **The idea.** `torch.utils.data.distributed.DistributedSampler` gives rank r a strided slice of
 # one shared (optionally shuffled) order, and makes all slices equally long
@@ -60,6 +63,25 @@ import uneven_inputs as ui
 
 # %% [markdown]
 # ## 1. What each rank gets
+#
+# **Without a sampler** every rank's DataLoader walks the whole dataset. With `shuffle=True` the
+# order comes from the rank's own global RNG (`RandomSampler.__iter__` draws its seed from it;
+# [sampler.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/sampler.py)). Two
+# ranks, 8 samples, batches of 4, first with the same `torch.manual_seed(0)` on both ranks, then with
+# each rank's own seed (`run_ranks(seed=1)` seeds rank r with 1 + r, as unseeded processes under
+# torchrun would differ too):
+
+# %%
+for same_seed in (True, False):
+    per_rank = run_ranks(ss.whole_dataset_batches, 2, same_seed=same_seed, seed=1)
+    print(f"same seed: {same_seed!s:<5}", "  ".join(f"rank {r}: {b}" for r, b in enumerate(per_rank)),
+          f"\n{'':17}same batch at every step: {per_rank[0] == per_rank[1]}")
+
+# %% [markdown]
+# With the same seed both ranks hold the same batch at every step: DDP averages two copies of one
+# gradient, and the step is exactly a single process's step on that batch, at twice the cost. With
+# different seeds each step does average two different batches, but each rank still goes through
+# all 8 samples: one epoch processes the data twice. Neither is what we want; a sampler is.
 #
 # `DistributedSampler(dataset, num_replicas=W, rank=r)` is an ordinary sampler: iterating it
 # yields dataset indices. Inside a process group you leave out `num_replicas` and `rank` and it
@@ -310,7 +332,7 @@ except ValueError as error:
 #
 # ## 6. DataLoader workers: every rank starts its own
 #
-# `num_workers=k` makes *each rank's* DataLoader fork k worker processes. Each sample below
+# `num_workers=k` makes *each rank's* DataLoader start k worker processes. Each sample below
 # reports the pid of the process that loaded it and that process's `torch.get_num_threads()`:
 
 # %%
@@ -341,6 +363,30 @@ print("distinct worker processes:", len({p for info in per_rank for p in info["w
 # `num_workers` from the cores *per rank*: roughly `cores / W - 1` at most, less if the rank's
 # own threads are busy. The article's "about physical cores / 2" is for one process; with 8 ranks
 # on a 32-core machine it means 8 x 16 = 128 workers.
+#
+# **How the workers start depends on the platform and the Python version.** The DataLoader uses
+# its `multiprocessing_context` argument if you give one, else `torch.multiprocessing`, i.e. Python's
+# default start method (`_MultiProcessingDataLoaderIter.__init__` in
+# [dataloader.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/dataloader.py)).
+# That default is `fork` on Linux up to Python 3.13, `forkserver` on Linux from Python 3.14, and
+# `spawn` on macOS (since 3.8) and Windows
+# ([Python docs](https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods)).
+# This machine:
+
+# %%
+import multiprocessing
+print(f"Python {sys.version.split()[0]} on {sys.platform}: DataLoader workers start by "
+      f"{torch.multiprocessing.get_start_method()!r} (Python's default: {multiprocessing.get_start_method()!r})")
+
+# %% [markdown]
+# A forked worker is a copy of the rank, dataset included, ready in milliseconds. With `spawn` or
+# `forkserver` the dataset, `collate_fn` and `worker_init_fn` are pickled and sent to each worker,
+# so they must be importable: defined in a module, not in a notebook cell, and no lambdas
+# (dataloader.py says so in the warning it adds to a pickling error: "Python 3.14+ changed the
+# multiprocessing start method in non-Mac POSIX platforms to 'forkserver'..."). With `spawn` each
+# worker also starts a fresh interpreter that imports torch again, every epoch unless
+# `persistent_workers=True`. The `WhoLoads` class above lives in a notebook cell, so that cell
+# relies on `fork`.
 #
 # ## 7. Uneven inputs: one rank runs out of batches
 #
@@ -394,6 +440,9 @@ for fix in ("sampler", "join"):
 #
 # ## Pitfalls
 #
+# * **No sampler at all**: every rank reads the whole dataset; with the same seed every step
+#   averages N copies of one gradient, with different seeds the epoch still reads everything N times
+#   (section 1).
 # * **Believing "padded with zeros" or "no overlap"**: without `drop_last`, up to W - 1 real
 #   samples are seen twice per epoch (section 2).
 # * **Evaluating with the training sampler and averaging means**: biased when `n % W != 0`
@@ -409,6 +458,8 @@ for fix in ("sampler", "join"):
 # * **Forgetting that the global batch is W x the per-rank batch** when reusing a learning rate
 #   (section 5).
 # * **`num_workers` sized for one process**: the machine runs W times as many (section 6).
+# * **Datasets defined in a notebook or as lambdas** with `spawn`/`forkserver` workers (macOS,
+#   Windows, Linux from Python 3.14): they cannot be pickled to the workers (section 6).
 # * **Hand-made splits with unequal lengths**: a hang at the next collective (section 7).
 #
 # ## Summary
@@ -421,7 +472,8 @@ for fix in ("sampler", "join"):
 # * The order is a permutation seeded by `seed + epoch`: call `set_epoch` every epoch and use the
 #   same `seed` on every rank.
 # * Global batch = per-rank batch x W; scaling the learning rate with it is a heuristic.
-# * Each rank starts its own `num_workers` workers.
+# * Each rank starts its own `num_workers` workers, by the platform's start method (`fork` only on
+#   Linux before Python 3.14).
 # * Every rank must run the same number of steps: equal shards, or `Join`.
 #
 # **Exercise** (`exercises/06_data_loading/`): write `shard_indices`, your own version of what

@@ -22,8 +22,9 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
+import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpcourse.dist_env import process_group
 
@@ -53,6 +54,16 @@ def shards(n: int, world_size: int, shuffle: bool = False, drop_last: bool = Fal
             sampler.set_epoch(epoch)
         result.append(list(sampler))
     return result
+
+
+def whole_dataset_batches(rank: int, world_size: int, n: int = 8, batch_size: int = 4,
+                          same_seed: bool = True) -> list[list[int]]:
+    """In a rank, *without* a sampler: the batches of ``DataLoader(shuffle=True)`` over the whole
+    dataset. The order comes from the rank's global RNG (``RandomSampler.__iter__`` draws its seed
+    from it), so it is the same on every rank only when every rank seeded alike."""
+    if same_seed:
+        torch.manual_seed(0)  # the usual "seed everything" line, run by every rank
+    return [batch.tolist() for batch in DataLoader(Indices(n), batch_size=batch_size, shuffle=True)]
 
 
 def repeated(per_rank: list[list[int]]) -> list[int]:
