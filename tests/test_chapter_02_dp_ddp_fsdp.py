@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from course_layout import TESTED_TORCH
 
+from ddpcourse import timing
 from ddpcourse.launcher import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,17 +114,23 @@ def test_wire_bytes_are_the_nccl_tests_counts_for_both_schemes(n):
     assert wire["dp_copies"] == 2 * (n - 1) * p  # the old count: only without NCCL
 
 
-def test_timing_verdict_flags_a_loaded_run_and_passes_a_quiet_one():
-    rows = [{"a_s": 0.010, "a_median_s": 0.011, "b_s": 0.020, "b_median_s": 0.021,
-             "tiny_s": 1e-5, "tiny_median_s": 1e-3}]
-    spreads = ch.timing_spreads(rows, ["a", "b", "tiny"])
-    assert spreads == pytest.approx({"a": 1.1, "b": 1.05})  # under 1 ms: left out
-    readable, text = ch.timing_verdict(spreads)
-    assert readable and "readable" in text
-    rows[0]["b_median_s"] = 0.040
-    readable, text = ch.timing_verdict(ch.timing_spreads(rows, ["a", "b"]))
-    assert not readable and text.startswith("TOO LOADED TO CONCLUDE") and "(b)" in text
-    assert ch.timing_verdict({})[0] is False
+def test_live_timings_hand_every_repeat_to_the_shared_verdict():
+    r = ch.dp_mechanism_cost(256, depth=4, repeats=3)
+    assert {len(v) for v in r["samples"].values()} == {3}
+    for name in ("replicate", "step"):
+        assert min(r["samples"][name]) == r[f"{name}_s"]
+    rows = [{"param_bytes": 2e6, "batch": 8,
+             "samples": {"a": [0.010, 0.011, 0.012], "tiny": [1e-5, 2e-5, 1e-3]}}]
+    timings = ch.live_timings(rows, ["a", "tiny"], "DP ")
+    assert list(timings) == ["DP a (2.00 MB, batch 8)"]  # under 1 ms: left out
+    assert timings["DP a (2.00 MB, batch 8)"].median == 0.011
+    quiet = timing.machine_load(busy=0.0, cores=2)
+    assert timing.judge(timings, quiet).conclusive
+    rows[0]["samples"]["a"] = [0.010, 0.020, 0.030]  # median 100% above the fastest
+    verdict = timing.judge(ch.live_timings(rows, ["a"]), quiet)
+    assert not verdict.conclusive and "TOO LOADED TO CONCLUDE" in str(verdict)
+    loaded = timing.machine_load(busy=1.5, cores=2)
+    assert not timing.judge(timings, loaded).conclusive
 
 
 def test_dp_device_accounting_puts_persistent_state_on_device_0_only():
@@ -317,9 +324,10 @@ def test_dp_mechanism_script_prints_counts_times_and_wire_bytes_per_model_size()
         assert int(fields[0]) == width and float(fields[1]) == pytest.approx(mb, abs=0.05)
         assert float(fields[2]) == pytest.approx(mb, abs=0.05)  # one replica on 2 devices
         assert int(fields[3]) == 9  # Sequential + 4 Linear + 4 Tanh
-        times = [float(v) for v in re.findall(r"[\d.]+", line.split("|", 1)[1])]
-        assert len(times) == 12 and all(v >= 0 for v in times), line  # fastest/median x 6
-    assert "TOO LOADED TO CONCLUDE" in out or "repeats agree" in out
+        pairs = re.findall(r"(\d+\.\d+)/(\d+\.\d+)", line.split("|", 1)[1])
+        assert len(pairs) == 6, line  # fastest/median of 6 costs
+        assert all(float(v) >= 0 for pair in pairs for v in pair), line
+    assert "TOO LOADED TO CONCLUDE" in out or "\nconclusive" in out
     wire = re.search(r"DP with NCCL ([\d.]+) MB, DDP ring all-reduce ([\d.]+) MB, "
                      r"DP without NCCL ([\d.]+) MB", out)
     assert wire, out

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 import _ch02_helpers as ch
+from ddpcourse import timing
 from ddpcourse.launcher import prestart, run_ranks
 
 prestart()  # start the rank servers now, while we work in this process
@@ -127,8 +128,11 @@ print(f"max |grad(DP by hand, 2 devices) - grad(one process, full batch)| = {err
 # `run_ranks` in 2 real gloo processes, DDP's two costs: its construction (rank 0's parameters
 # broadcast, buckets set up — once per run) and its per-step gradient all-reduce (a step minus
 # the same step under `no_sync`: the part not hidden behind backward). Each time is printed as
-# fastest / median of the repeats, and the cell ends with a verdict: when the medians stray far
-# from the fastest runs, other processes had the cores and the times are not worth reading.
+# fastest / median of the repeats, and the cell ends with `ddpcourse.timing`'s verdict: it
+# measures how many cores other work kept busy and whether the repeats agree (median within 20%
+# of the fastest); when either fails it says the machine is too loaded to conclude. This
+# section has no recorded reference run to fall back on, and needs none: its conclusions rest on
+# the counts, which no load can change; the times only illustrate them.
 
 # %%
 widths = [256, 512, 1024, 2048]
@@ -155,10 +159,10 @@ for dp_row, ddp_row in zip(dp_rows, ddp_rows):
           f"{fastest_median(ddp_row, 'construct'):>17} {fastest_median(ddp_row, 'step_sync'):>17} "
           f"{fastest_median(ddp_row, 'allreduce'):>17}")
 print("(DDP all-reduce: the step minus the same step under no_sync, the part backward did not hide)")
-readable, verdict = ch.timing_verdict(
-    {**ch.timing_spreads(dp_rows, ["replicate", "step"]),
-     **{f"DDP {k}": v for k, v in ch.timing_spreads(ddp_rows, ["construct", "step_sync",
-                                                               "step_nosync"]).items()}})
+verdict = timing.judge({**ch.live_timings(dp_rows, ["replicate", "step"], "DP "),
+                        **ch.live_timings(ddp_rows, ["construct", "step_sync", "step_nosync"],
+                                          "DDP ")},
+                       timing.machine_load())
 print(verdict)
 
 # %%
@@ -173,7 +177,7 @@ for label, rows_, key, style in series:
     left.plot(mb, [r[key + "_median_s"] * 1e3 for r in rows_], "x", color=line.get_color())
 left.set(xscale="log", yscale="log", xlabel="model parameters (MB)", ylabel="ms",
          title="Live, this CPU: fastest (line), median (x)"
-               + ("" if readable else "\nTOO LOADED TO CONCLUDE"))
+               + ("" if verdict.conclusive else "\nTOO LOADED TO CONCLUDE"))
 left.legend(fontsize=8)
 
 # Computed, not measured: nccl-tests' bus bytes per step, in units of the parameter bytes P.
@@ -197,8 +201,8 @@ plt.show()
 # ([data_parallel.py L195-197](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/data_parallel.py#L195-L197)).
 # DDP copies the parameters once, in its constructor; after that it moves gradients, and the
 # buffers, which it broadcasts at every forward (section 2.2; this MLP has none). The
-# live times show what these costs come to on this machine, beside DDP's; the verdict line says
-# whether the repeats agreed well enough to read them. Don't carry them to GPUs: here a replica is
+# live times show what these costs come to on this machine, beside DDP's; the verdict says
+# whether the machine was quiet enough, and the repeats close enough, to read them. Don't carry them to GPUs: here a replica is
 # a copy within one memory and gloo's all-reduce runs over loopback TCP.
 #
 # **The wire: DP does not move n times DDP's bytes.** An earlier version of this chapter charged
@@ -269,7 +273,8 @@ for r in batch_rows:
     print(f"batch {r['batch']:>3}: {r['replica_bytes'] / 1e6:.2f} MB copied by replicate, "
           f"{(r['scatter_bytes'] + r['gather_bytes']) / 1e3:7.1f} KB by scatter + gather | "
           f"replicate {fastest_median(r, 'replicate')}, step {fastest_median(r, 'step')}")
-print(ch.timing_verdict(ch.timing_spreads(shape_rows + batch_rows, ["replicate", "step"]))[1])
+print(timing.judge(ch.live_timings(shape_rows + batch_rows, ["replicate", "step"]),
+                   timing.machine_load()))
 
 # %% [markdown]
 # ### 1.4 Why device 0 holds more under DataParallel
@@ -306,7 +311,8 @@ for r in gpu_rows or []:
           + ", ".join(f"{p / 1e6:.0f}" for p in peaks)
           + f" -> device 0 / busiest other = {peaks[0] / max(peaks[1:]):.2f}")
 if gpu_rows:
-    print(ch.timing_verdict(ch.timing_spreads(gpu_rows, ["step", "replicate", "gather"]))[1])
+    print(timing.judge(ch.live_timings(gpu_rows, ["step", "replicate", "gather"]),
+                       timing.machine_load()))
 
 # %% [markdown]
 # ## 2. DDP: one process per device, replicas built once, buckets during backward

@@ -7,8 +7,8 @@ Four groups of functions:
   ``dp_mechanism_cost``): with no GPU ``nn.DataParallel`` just calls the module, so we do
   explicitly what it does on GPUs every iteration - scatter, replicate, apply, gather, and the
   backward that sums every replica's gradient onto device 0 - count what each phase copies
-  and time it (fastest and median of several repeats, with ``timing_verdict`` saying when the
-  machine was too loaded to read the times).
+  and time it (fastest and median of several repeats; ``live_timings`` hands them to
+  ``ddpcourse.timing.judge``, which says when the machine was too loaded to read the times).
 * What the collectives of each scheme put on the wire per step, computed (``link_bytes_per_step``).
 * DDP's mechanism and cost, as rank functions for ``run_ranks`` or torchrun
   (``ddp_costs``, ``ddp_broadcast_at_construction``, ``ddp_buffer_sync``, ``ddp_bucket_sizes``,
@@ -32,6 +32,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ddpcourse import timing
 
 TORCH_TAG = "v2.13.0"
 _GITHUB = f"https://github.com/pytorch/pytorch/blob/{TORCH_TAG}/"
@@ -124,38 +126,19 @@ def _samples(fn, repeats: int) -> list[float]:
     return times
 
 
-def timing_spreads(rows: list[dict], series, floor_s: float = 1e-3) -> dict[str, float]:
-    """Median / fastest of each timed ``series`` (keys ``<name>_s`` and ``<name>_median_s``),
-    the worst over ``rows``. Times under ``floor_s`` are left out: at tens of microseconds
-    the timer and the scheduler's jitter alone move the median."""
-    spreads = {}
-    for name in series:
-        ratios = [r[f"{name}_median_s"] / r[f"{name}_s"] for r in rows
-                  if r[f"{name}_s"] >= floor_s]
-        if ratios:
-            spreads[name] = max(ratios)
-    return spreads
+def _row_label(row: dict) -> str:
+    label = f"{row['param_bytes'] / 1e6:.2f} MB"
+    return label + (f", batch {row['batch']}" if "batch" in row else "")
 
 
-def timing_verdict(spreads: dict[str, float], limit: float = 1.5) -> tuple[bool, str]:
-    """Whether a live timing run can be read, from each series' median / minimum.
-
-    ``spreads`` maps a series name to its median / min ratio (``timing_spreads``). A median
-    more than ``limit`` times the fastest run of the same work says that other processes took
-    the cores during most repeats; differences between the measured costs may then say more
-    about them than about the code. The limit is a judgement call, printed with the verdict.
-    Returns (readable, sentence).
-    """
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    if not spreads:
-        return False, "nothing timed long enough to judge the repeats by"
-    worst = max(spreads, key=spreads.get)
-    where = (f"worst median/min {spreads[worst]:.2f} ({worst}); load average {load:.1f} "
-             f"on {os.cpu_count()} cores")
-    if spreads[worst] > limit:
-        return False, (f"TOO LOADED TO CONCLUDE: {where}. Run it again on a quiet machine "
-                       "before reading anything into these times.")
-    return True, f"repeats agree ({where} <= {limit}): the times are readable on this machine."
+def live_timings(rows: list[dict], series, prefix: str = "",
+                 floor_s: float = 1e-3) -> dict[str, timing.Timing]:
+    """Each timed ``series`` of each row (its repeats, ``row["samples"][name]``) as a
+    ``ddpcourse.timing.Timing``, named for ``timing.judge``'s reasons. Series whose fastest run
+    is under ``floor_s`` are left out: at tens of microseconds the timer and the scheduler's
+    jitter alone move the median, whatever else the machine does."""
+    return {f"{prefix}{name} ({_row_label(row)})": timing.Timing.of(row["samples"][name])
+            for row in rows for name in series if min(row["samples"][name]) >= floor_s}
 
 
 # ------------------------------------------------------- DataParallel, done by hand on CPU
@@ -262,7 +245,7 @@ def dp_mechanism_cost(width: int, depth: int = 4, n_devices: int = 2, batch: int
     between device 0 and the others (``scatter_bytes``, ``gather_bytes``).
     Timed: each phase's fastest (``<phase>_s``) and median (``<phase>_median_s``) over
     ``repeats`` iterations, and the same for the whole iteration (``step_s``,
-    ``step_median_s``).
+    ``step_median_s``); every repeat in ``samples[<phase>]``.
     """
     model = make_mlp(width, depth, seed=seed)
     torch.manual_seed(seed + 1)
@@ -297,6 +280,7 @@ def dp_mechanism_cost(width: int, depth: int = 4, n_devices: int = 2, batch: int
     for key, values in samples.items():
         result[key] = min(values)
         result[key[:-len("_s")] + "_median_s"] = statistics.median(values)
+    result["samples"] = {key[:-len("_s")]: values for key, values in samples.items()}
     return result
 
 
@@ -484,7 +468,8 @@ def ddp_costs(rank: int, world_size: int, widths, depth: int = 4, batch: int = 1
               repeats: int = 3, device: str = "cpu") -> list[dict]:
     """Per model width: DDP construction time (once per run) and per-step exposed gradient
     all-reduce time (forward+backward with sync minus the same under ``no_sync``), each as
-    fastest (``*_s``) and median (``*_median_s``) of ``repeats``."""
+    fastest (``*_s``) and median (``*_median_s``) of ``repeats``, every repeat in
+    ``samples``."""
     _ddp(make_mlp(8, 1).to(device))  # the first DDP in a process pays one-off set-up costs
     rows = []
     for width in widths:
@@ -526,7 +511,9 @@ def ddp_costs(rank: int, world_size: int, widths, depth: int = 4, batch: int = 1
                      "step_nosync_s": min(without_sync),
                      "step_nosync_median_s": median(without_sync),
                      "allreduce_s": max(min(with_sync) - min(without_sync), 0.0),
-                     "allreduce_median_s": max(median(with_sync) - median(without_sync), 0.0)})
+                     "allreduce_median_s": max(median(with_sync) - median(without_sync), 0.0),
+                     "samples": {"construct": construct_times, "step_sync": with_sync,
+                                 "step_nosync": without_sync}})
         del ddp
     return rows
 
@@ -742,13 +729,12 @@ def gpu_dataparallel_report(widths=(1024, 2048, 4096), depth: int = 4, batch: in
         for d in devices:
             torch.cuda.synchronize(d)
 
-    def timed(fn) -> tuple[float, float]:
+    def timed(fn) -> list[float]:
         def run():
             sync()
             fn()
             sync()
-        samples = _samples(run, repeats)
-        return min(samples), statistics.median(samples)
+        return _samples(run, repeats)
 
     rows = []
     for width in widths:
@@ -776,9 +762,9 @@ def gpu_dataparallel_report(widths=(1024, 2048, 4096), depth: int = 4, batch: in
             outputs = dp.parallel_apply(dp.replicate(model, devices), scattered, kwargs)
         gather = timed(lambda: dp.gather(outputs, 0))
         row = {"width": width, "param_bytes": param_bytes(model), "gpus": n, "peak_bytes": peaks}
-        for name, (fastest, median) in (("step", step), ("replicate", replicate),
-                                        ("gather", gather)):
-            row[f"{name}_s"], row[f"{name}_median_s"] = fastest, median
+        row["samples"] = {"step": step, "replicate": replicate, "gather": gather}
+        for name, values in row["samples"].items():
+            row[f"{name}_s"], row[f"{name}_median_s"] = min(values), statistics.median(values)
         rows.append(row)
         del dp, model, optimizer, outputs, scattered
         torch.cuda.empty_cache()

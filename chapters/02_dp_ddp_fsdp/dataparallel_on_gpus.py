@@ -25,7 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _ch02_helpers import gpu_dataparallel_report, timing_spreads, timing_verdict  # noqa: E402
+from _ch02_helpers import gpu_dataparallel_report, live_timings  # noqa: E402
+
+from ddpcourse import timing  # noqa: E402
 
 
 def main() -> int:
@@ -50,7 +52,7 @@ def main() -> int:
         print("    peak allocated per GPU (MB): "
               + ", ".join(f"cuda:{d} {p / 1e6:.0f}" for d, p in enumerate(peaks))
               + f"  -> device 0 / busiest other = {peaks[0] / others:.2f}")
-    print(timing_verdict(timing_spreads(rows, ["step", "replicate", "gather"]))[1])
+    print(timing.judge(live_timings(rows, ["step", "replicate", "gather"]), timing.machine_load()))
     return 0
 
 

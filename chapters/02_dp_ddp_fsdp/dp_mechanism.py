@@ -12,8 +12,8 @@ costs for the same models: the one-time construction (rank 0's parameters broadc
 set up) and the per-step gradient all-reduce (a training step with synchronisation minus the
 same step under ``no_sync``).
 
-Times are fastest / median of a few repeats, followed by a verdict: when the medians stray far
-from the fastest runs the machine was too busy to read them. They are CPU times: an in-memory
+Times are fastest / median of a few repeats, followed by ``ddpcourse.timing``'s verdict: how
+many cores other work kept busy, whether the repeats agree, and so whether the times can be read. They are CPU times: an in-memory
 copy here is not a GPU-to-GPU copy there, and gloo is not NCCL. The last line prints each
 scheme's bus bytes per step (computed: time on the wire x link bandwidth, as nccl-tests counts
 it): on a CUDA build DP's replicate and gradient sum are an NCCL broadcast and reduce, 2 x P,
@@ -33,10 +33,10 @@ from _ch02_helpers import (  # noqa: E402
     dp_mechanism_cost,
     from_every_rank,
     link_bytes_per_step,
-    timing_spreads,
-    timing_verdict,
+    live_timings,
 )
 
+from ddpcourse import timing  # noqa: E402
 from ddpcourse.dist_env import process_group  # noqa: E402
 
 WIDTHS = [256, 512, 1024, 2048]
@@ -82,13 +82,13 @@ def main() -> int:
         print("-" * len(header))
         for dp, ddp in zip(dp_rows, ddp_rows):
             print(f"{dp['width']:>6}{dp['param_bytes'] / 1e6:>10.1f} |"
-                  f"{fastest_median(dp, 'replicate'):>14}{fastest_median(dp, 'gather'):>12}"
-                  f"{fastest_median(dp, 'step'):>14} |{fastest_median(ddp, 'construct'):>14}"
-                  f"{fastest_median(ddp, 'allreduce'):>14}{fastest_median(ddp, 'step_sync'):>14}")
-        spreads = {**timing_spreads(dp_rows, ["replicate", "step"]),
-                   **{f"DDP {k}": v for k, v in
-                      timing_spreads(ddp_rows, ["construct", "step_sync", "step_nosync"]).items()}}
-        print(timing_verdict(spreads)[1])
+                  f" {fastest_median(dp, 'replicate'):>13} {fastest_median(dp, 'gather'):>11}"
+                  f" {fastest_median(dp, 'step'):>13} | {fastest_median(ddp, 'construct'):>13}"
+                  f" {fastest_median(ddp, 'allreduce'):>13} {fastest_median(ddp, 'step_sync'):>13}")
+        print(timing.judge({**live_timings(dp_rows, ["replicate", "step"], "DP "),
+                            **live_timings(ddp_rows, ["construct", "step_sync", "step_nosync"],
+                                           "DDP ")},
+                           timing.machine_load()))
         print("every step: DP scatter, replicate, gather (and its backward onto device 0);"
               " DDP all-reduce")
         print("once per run: DDP init (broadcast from rank 0 + bucket set-up)")
