@@ -1,6 +1,7 @@
 """Chapter 06 (data loading): what ``DistributedSampler`` returns, the padded-evaluation bias and
 its fixes, rank-0 evaluation through DDP (blocks) and through ``model.module`` (exact),
-``set_epoch``, loading without a sampler, the DataLoader workers' start method, and the
+``set_epoch``, loading without a sampler, DataLoader workers (start method, pinned memory,
+augmentation seeds per rank, an ``IterableDataset`` sharded by rank and worker), and the
 uneven-inputs demo (stops where the lesson says without a fix, runs with one).
 
 Multi-rank checks use ``run_ranks`` (deadlines, no ports); demos that must block run DDP on a group
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpcourse.launcher import run_bounded, run_ranks
 
@@ -31,6 +34,7 @@ sys.path.insert(0, str(CHAPTER))  # the ranks get this sys.path too
 import eval_without_duplicates as ev  # noqa: E402
 import sampler_shards as ss  # noqa: E402
 import uneven_inputs as ui  # noqa: E402
+import workers_and_ranks as wr  # noqa: E402
 from _short_timeout import short_timeout_group  # noqa: E402
 
 SIZES = [(n, w) for n in range(1, 12) for w in range(1, 5)]
@@ -187,6 +191,61 @@ def test_the_workers_start_method_is_pythons_default_for_this_platform_and_versi
     else:
         expected = "fork" if sys.version_info < (3, 14) else "forkserver"
     assert multiprocessing.get_start_method() == expected
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="the CPU-only behaviour")
+def test_pin_memory_without_an_accelerator_warns_and_pins_nothing():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = next(iter(DataLoader(ss.Indices(8), batch_size=4, pin_memory=True)))
+    assert not batch.is_pinned()
+    assert any("no accelerator is found" in str(w.message) for w in caught)
+    with pytest.raises(RuntimeError):
+        torch.zeros(2).pin_memory()
+    assert batch.to("cpu", non_blocking=True) is batch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_same_data_seed_gives_every_rank_the_same_augmentation(num_workers, no_orphans):
+    same = run_ranks(wr.augmentation_draws, 2, 0, False, num_workers, timeout=60)
+    assert wr.same_draws(same)
+    assert [row[0] for row in same[0][0]] != [row[0] for row in same[1][0]]  # different samples
+    per_rank = run_ranks(wr.augmentation_draws, 2, 0, True, num_workers, timeout=60)
+    assert not wr.same_draws(per_rank)
+    assert run_ranks(wr.augmentation_draws, 2, 0, True, num_workers, timeout=60) == per_rank
+    epochs = per_rank[0]
+    assert [row[1:] for row in epochs[0]] != [row[1:] for row in epochs[1]]  # a new base seed per epoch
+
+
+def test_an_iterable_dataset_refuses_a_sampler():
+    with pytest.raises(ValueError, match="IterableDataset"):
+        DataLoader(wr.Stream(9), sampler=DistributedSampler(ss.Indices(9), 2, 0))
+
+
+@pytest.mark.parametrize("world_size, num_workers", [(2, 2), (3, 2), (2, 3)])
+def test_an_iterable_dataset_sharded_by_rank_and_worker_reads_each_sample_once(
+        world_size, num_workers, no_orphans):
+    n = 11
+    results = {split: run_ranks(wr.stream_samples, world_size, n, split, num_workers, timeout=60)
+               for split in wr.SPLITS}
+    once = results["rank x worker"]
+    assert sorted(wr.read_counts(once).elements()) == list(range(n))
+    for rank, result in enumerate(once):  # a rank's workers together read range(rank, n, W)
+        assert result["samples"] == list(range(rank, n, world_size))
+    assert set(wr.read_counts(results["rank"]).values()) == {num_workers}
+    assert set(wr.read_counts(results["none"]).values()) == {num_workers * world_size}
+    if (world_size, num_workers) == (2, 2):
+        assert [r["batches"] for r in results["rank x worker"]] == [4, 3]  # uneven
+
+
+def test_the_workers_script_check_catches_wrong_sharding():
+    one = {"rank x worker": [{"samples": [0, 1, 2]}, {"samples": [3]}],
+           "rank": [{"samples": [0, 0, 2, 2]}, {"samples": [1, 1, 3, 3]}],
+           "none": [{"samples": sorted([0, 1, 2, 3] * 2)}] * 2}
+    draws = {"same seed": [[[[0, 0.5, 0.5]]]] * 2, "seed + rank": [[[[0, 0.5, 0.5]]], [[[1, 0.1, 0.2]]]]}
+    assert wr.check(4, 2, 2, one, draws, draws["seed + rank"]) == []
+    assert wr.check(4, 2, 2, {**one, "rank x worker": one["rank"]}, draws, draws["seed + rank"]) != []
+    assert wr.check(4, 2, 2, one, {**draws, "seed + rank": draws["same seed"]}, draws["same seed"]) != []
 
 
 @pytest.mark.parametrize("fix", ui.FIXES)

@@ -28,12 +28,16 @@
 # one shared (optionally shuffled) order, and makes all slices equally long
 # ([docs](https://docs.pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler), [source](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/distributed.py)). This chapter looks at
 # what it returns, how it makes lengths equal (by *repeating* samples), what that does to an
-# evaluation metric, why `set_epoch` matters, and what happens when ranks do not get the same
-# number of batches.
+# evaluation metric (and why rank 0 must not evaluate through the DDP wrapper alone), why
+# `set_epoch` matters, what DataLoader workers add (start methods, pinned memory, random seeds per
+# rank, sharding an `IterableDataset`), and what happens when ranks do not get the same number of
+# batches.
 #
 # Scripts: `sampler_shards.py` (shards, padding, `set_epoch`), `eval_without_duplicates.py`
-# (biased vs correct distributed evaluation), `uneven_inputs.py` (a hang turned into an error, and
-# two fixes). Everything runs on CPU/gloo in real process groups (`run_ranks`).
+# (biased vs correct distributed evaluation; evaluation on rank 0), `workers_and_ranks.py`
+# (an `IterableDataset` sharded by rank and worker; augmentation seeds per rank), `uneven_inputs.py`
+# (a hang turned into an error, and two fixes). Everything runs on CPU/gloo in real process groups
+# (`run_ranks`).
 #
 # **Article claims checked here** (section 4.2 of the source article). The article says that
 # `DistributedSampler` guarantees the cards' data "does not overlap" in an epoch and that when the
@@ -43,7 +47,7 @@
 # every epoch, or every epoch sees the same order, is right (section 4).
 
 # %%
-import os, sys
+import os, sys, warnings
 from collections import Counter
 from pathlib import Path
 
@@ -60,6 +64,7 @@ prestart()
 import eval_without_duplicates as ev
 import sampler_shards as ss
 import uneven_inputs as ui
+import workers_and_ranks as wr
 
 # %% [markdown]
 # ## 1. What each rank gets
@@ -386,9 +391,142 @@ print(f"Python {sys.version.split()[0]} on {sys.platform}: DataLoader workers st
 # multiprocessing start method in non-Mac POSIX platforms to 'forkserver'..."). With `spawn` each
 # worker also starts a fresh interpreter that imports torch again, every epoch unless
 # `persistent_workers=True`. The `WhoLoads` class above lives in a notebook cell, so that cell
-# relies on `fork`.
+# relies on `fork`; the datasets of sections 8 and 9 live in `workers_and_ranks.py` and take the
+# rank as an argument, so they work with every start method.
 #
-# ## 7. Uneven inputs: one rank runs out of batches
+# ## 7. `pin_memory` and `non_blocking`: overlapping the copy to the GPU
+#
+# With a GPU, each batch is copied from host memory to the device. `DataLoader(pin_memory=True)`
+# copies every batch into page-locked ("pinned") host memory before handing it to you: in a
+# background thread of the rank's process when there are workers (`_pin_memory_loop` in
+# [_utils/pin_memory.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/_utils/pin_memory.py)),
+# in the loop itself without workers (`_SingleProcessDataLoaderIter._next_data`). A copy from pinned
+# memory can be done by the GPU's copy engine while the CPU goes on:
+# `x.to(device, non_blocking=True)` then only *queues* the copy on the current CUDA stream and
+# returns; kernels queued after it on that stream wait for it, so using `x` right away is safe, and
+# the host is free to fetch the next batch in the meantime. From ordinary (pageable) memory the copy
+# is staged through a pinned buffer and cannot overlap that way
+# ([memory pinning](https://docs.pytorch.org/docs/stable/data.html#memory-pinning),
+# [tutorial on `pin_memory` and `non_blocking`](https://docs.pytorch.org/tutorials/intermediate/pinmem_nonblock.html)).
+# The other direction is not safe by default: after a `non_blocking` copy *to the CPU*, synchronize
+# before reading it.
+#
+# Under DDP, move the batch yourself: `DDP(model, device_ids=[local_rank])` does move CPU inputs in
+# its forward, but with a plain `.to(device)` (`_recursive_to` in
+# [torch/distributed/utils.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py)),
+# not `non_blocking`:
+#
+# ```python
+# loader = DataLoader(data, batch_size=B, sampler=DistributedSampler(data),
+#                     num_workers=k, pin_memory=True)
+# for x, y in loader:
+#     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+# ```
+#
+# **Only the bookkeeping runs on this CPU-only machine**; pinning and asynchronous copies need an
+# accelerator. Without one the DataLoader warns and pins nothing (`_BaseDataLoaderIter.__init__`:
+# `self._pin_memory = loader.pin_memory and torch.accelerator.is_available()`), `Tensor.pin_memory()`
+# raises, and `.to("cpu", non_blocking=True)` returns the tensor itself: there is nothing to copy.
+# On a GPU machine the same cell shows a pinned batch and queues its copy:
+
+# %%
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    batch = next(iter(DataLoader(ss.Indices(8), batch_size=4, pin_memory=True)))
+accelerator = torch.accelerator.current_accelerator()
+print(f"accelerator: {accelerator}; batch pinned: {batch.is_pinned()}; DataLoader warnings:",
+      [str(w.message) for w in caught])
+if accelerator is None:
+    try:
+        torch.zeros(4).pin_memory()
+    except RuntimeError as error:
+        print("Tensor.pin_memory():", error)
+    print(".to('cpu', non_blocking=True) returns the same tensor:", batch.to("cpu", non_blocking=True) is batch)
+else:  # GPU only: not run on the course's CPU machines
+    on_device = batch.to(accelerator, non_blocking=True)
+    print("copy queued; on", on_device.device, "->", on_device.tolist())
+
+# %% [markdown]
+# ## 8. Random augmentation: one data seed per rank
+#
+# Workers are where augmentation runs (random crops, flips, noise). Each worker seeds `torch` and
+# `random` with `base_seed + worker_id`, and `numpy` from the same two numbers (`_worker_loop` in
+# [_utils/worker.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/_utils/worker.py)),
+# and `base_seed` is drawn when the loader's iterator is created (every epoch, unless
+# `persistent_workers=True`), from the loader's `generator` or, without one, from the rank's global
+# RNG (`_BaseDataLoaderIter.__init__` in dataloader.py). Without workers the dataset runs in the
+# rank's own process and draws from its global RNG. Either way, the same seed on every rank (a
+# `torch.manual_seed(0)` at the top of the script, or the recipe of PyTorch's
+# [reproducibility notes](https://docs.pytorch.org/docs/stable/notes/randomness.html#dataloader),
+# a `generator` seeded with 0 plus a `worker_init_fn` that seeds the other libraries) gives every
+# rank the **same stream of random numbers**. The ranks load different samples, but sample 0 on
+# rank 0 and sample 1 on rank 1 get the same crop and the same flip: the global batch has W times
+# fewer distinct augmentations than it should.
+#
+# `wr.augmentation_draws` loads `wr.Augmented`, whose sample i is `[i, a torch draw, a random draw]`,
+# through `DistributedSampler` with `worker_init_fn=wr.seed_worker` (the notes' recipe); the data's
+# seed is `seed` on every rank, or `seed + rank`:
+
+# %%
+for num_workers in (2, 0):
+    for per_rank in (False, True):
+        draws = run_ranks(wr.augmentation_draws, 2, 0, per_rank, num_workers)
+        first = "  ".join(f"rank {r}: {[[round(v, 3) for v in row] for row in d[0][:2]]}" for r, d in enumerate(draws))
+        print(f"{num_workers} workers, seed{' + rank' if per_rank else '       '}: {first}  "
+              f"same draws on both ranks: {wr.same_draws(draws)}")
+        assert wr.same_draws(draws) is not per_rank
+
+# %% [markdown]
+# With the same seed the ranks' draws are identical position by position (with and without
+# workers); with `seed + rank` they differ, and a rerun repeats them (the test checks it). A
+# `worker_init_fn` cannot repair the same-seed case by itself: it runs in each worker "after
+# seeding and before data loading" (DataLoader docstring) and sees only what that rank's
+# `base_seed` gave it (`torch.initial_seed()`, `get_worker_info().seed`), the same on every rank;
+# it is the place to seed other libraries from that seed, or to mix in the rank if you cannot
+# change the loader's seed. Two seeds must stay **the same** on every rank: the sampler's (section 4;
+# `DistributedSampler` uses its own `seed` argument, not the global RNG) and the model's initial
+# weights (DDP broadcasts rank 0's parameters at construction anyway, `_sync_module_states` in
+# `DistributedDataParallel.__init__`).
+#
+# ## 9. Iterable datasets: shard by rank *and* by worker
+#
+# An `IterableDataset` (lines of a file, a stream from a queue) has no indices, so there is nothing
+# for a sampler to shard, and the DataLoader refuses one:
+
+# %%
+try:
+    DataLoader(wr.Stream(9), sampler=DistributedSampler(ss.Indices(9), 2, 0))
+except ValueError as error:
+    print("ValueError:", error)
+
+# %% [markdown]
+# The dataset must shard itself, and there are `W x num_workers` copies of it: every worker of
+# every rank runs its own `__iter__` over its own copy (the `IterableDataset` docstring,
+# [dataset.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/dataset.py)).
+# `get_worker_info()` tells a copy which worker it runs in (`id`, `num_workers`; `None` in the
+# rank's own process), and the rank is passed to the constructor. `wr.Stream` numbers the readers
+# `rank + W x worker_id` and lets each keep every `(W x num_workers)`-th sample from its number on,
+# so rank r's workers together read `range(r, n, W)`. Nine samples, 2 ranks x 2 workers, sharded
+# three ways:
+
+# %%
+for split in wr.SPLITS:
+    per_rank = run_ranks(wr.stream_samples, 2, 9, split, 2)
+    counts = wr.read_counts(per_rank)
+    print(f"split by {split:<13}: rank 0 reads {per_rank[0]['samples']}, rank 1 reads {per_rank[1]['samples']}\n"
+          f"{'':24}times each sample is read {sorted(set(counts.values()))}, batches per rank "
+          f"{[r['batches'] for r in per_rank]}")
+    if split == "rank x worker":
+        assert sorted(counts.elements()) == list(range(9))
+
+# %% [markdown]
+# Not sharding reads each sample `W x num_workers` = 4 times; sharding by rank alone still lets
+# both workers of a rank read the same samples (twice each); sharding by rank and worker reads each
+# sample exactly once. Nothing pads a stream you cannot count, so the shards differ in length (5
+# and 4 samples here), and so do the batch counts: 3 and 2. That is the next section's hang; `Join`
+# is made for it.
+#
+# ## 10. Uneven inputs: one rank runs out of batches
 #
 # Every DDP backward all-reduces gradients, so every rank must run the same number of steps. A
 # hand-made split such as `indices[rank::W]` of 9 samples gives rank 0 five samples (3 batches of
@@ -419,7 +557,7 @@ assert stops[1]["batches done"] == 2 and stops[1]["code"].startswith("dist.barri
 #
 # **Fix 1: equal shards.** `DistributedSampler` gives every rank `ceil(n / W)` samples, so the
 # same number of batches (at the price of the repeats of section 2). **Fix 2: `Join`.** When the
-# uneven split is wanted (e.g. an iterable dataset you cannot pad), wrap the loop in
+# uneven split is wanted (e.g. an iterable dataset you cannot pad, section 9), wrap the loop in
 # `torch.distributed.algorithms.Join([model])` ([docs](https://docs.pytorch.org/docs/stable/distributed.algorithms.join.html), [tutorial](https://docs.pytorch.org/tutorials/advanced/generic_join.html)):
 # a rank that runs out keeps answering the others' gradient all-reduces (with zeros) until all
 # ranks are done. Checked here on gloo/CPU (torch 2.13):
@@ -452,7 +590,7 @@ for fix in ("sampler", "join"):
 # * **`drop_last=True` in evaluation**: skips samples silently.
 # * **Forgetting `sampler.set_epoch(epoch)`**: every epoch gets the same order (section 4). Call it
 #   before creating the epoch's iterator (`for batch in loader`), on every rank, with the same epoch.
-# * **Different `seed` per rank**: the shards overlap and miss samples (section 4).
+# * **Different sampler `seed` per rank**: the shards overlap and miss samples (section 4).
 # * **`DataLoader(shuffle=True)` together with a sampler**: refused with a `ValueError`
 #   (section 5); shuffle through the sampler (`shuffle=True` is its default).
 # * **Forgetting that the global batch is W x the per-rank batch** when reusing a learning rate
@@ -460,7 +598,13 @@ for fix in ("sampler", "join"):
 # * **`num_workers` sized for one process**: the machine runs W times as many (section 6).
 # * **Datasets defined in a notebook or as lambdas** with `spawn`/`forkserver` workers (macOS,
 #   Windows, Linux from Python 3.14): they cannot be pickled to the workers (section 6).
-# * **Hand-made splits with unequal lengths**: a hang at the next collective (section 7).
+# * **`non_blocking=True` from unpinned memory**, or relying on DDP's own input move: no overlap
+#   of the copy (section 7).
+# * **The same data seed on every rank**: identical augmentation on every rank; seed the data
+#   with `seed + rank` (section 8).
+# * **An `IterableDataset` sharded by rank only**, or not at all: each worker reads the same
+#   samples (section 9).
+# * **Hand-made splits with unequal lengths**: a hang at the next collective (section 10).
 #
 # ## Summary
 #
@@ -473,7 +617,11 @@ for fix in ("sampler", "join"):
 #   same `seed` on every rank.
 # * Global batch = per-rank batch x W; scaling the learning rate with it is a heuristic.
 # * Each rank starts its own `num_workers` workers, by the platform's start method (`fork` only on
-#   Linux before Python 3.14).
+#   Linux before Python 3.14); `pin_memory=True` plus `.to(device, non_blocking=True)` lets the copy
+#   to the GPU overlap with the host's work.
+# * Seed the data's randomness with `seed + rank`; keep the sampler's seed and the model's the same.
+# * An `IterableDataset` shards itself over `W x num_workers` readers (`get_worker_info()` and the
+#   rank), and its shards are uneven.
 # * Every rank must run the same number of steps: equal shards, or `Join`.
 #
 # **Exercise** (`exercises/06_data_loading/`): write `shard_indices`, your own version of what
