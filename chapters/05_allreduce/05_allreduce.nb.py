@@ -344,7 +344,7 @@ ax_bus.set_xlabel("message bytes"); ax_bus.set_ylabel("busbw (GB/s)")
 ax_bus.set_title("bus bandwidth = S/t · 2(N-1)/N")
 ax_bus.legend(fontsize=7)
 fig.suptitle(f"Hand ring / halving-doubling vs dist.all_reduce, {sweeps[2]['backend']}, "
-             f"{sweeps[2]['cpu_count']} cores, load average {sweeps[2]['load_average'][0]:.1f} "
+             f"{sweeps[2]['machine']}, load average {sweeps[2]['load']['load_average'][0]:.1f} "
              f"(measured in this run)", fontsize=10)
 plt.tight_layout(); plt.show()
 for n, report in sweeps.items():
