@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddpcourse import timing
 from ddpcourse.launcher import RankError, run_ranks
 from ddpcourse.toys import flat_parameters, make_model
 
@@ -189,3 +190,40 @@ def test_torchrun_command_prints_one_row_per_workload_on_rank_0():
     assert done.stdout.count("tiny model, strong scaling") == 1
     row = next(line for line in done.stdout.splitlines() if line.split()[:2] == ["2", "32"])
     assert row.split()[-1] == "-"  # one world size: no speed-up to compute
+
+
+def test_compute_split_is_two_ranks_over_one_and_says_whether_cores_were_free():
+    rows = [{"mode": "strong", "world_size": 1, "compute_ms": 80.0},
+            {"mode": "strong", "world_size": 2, "compute_ms": 48.0},
+            {"mode": "strong", "world_size": 4, "compute_ms": 50.0}]
+    assert scaling.compute_split(rows) == pytest.approx(0.6)
+    assert scaling.cores_were_free(rows)
+    rows[1]["compute_ms"] = 56.0  # 0.7 of one rank's: a core was busy
+    assert not scaling.cores_were_free(rows)
+    weak = [{**row, "mode": "weak"} for row in rows]  # the same work per rank: 1.0 is ideal
+    weak[1]["compute_ms"] = 100.0  # 1.25
+    assert scaling.cores_were_free(weak)
+    weak[1]["compute_ms"] = 110.0  # 1.375
+    assert not scaling.cores_were_free(weak)
+
+
+def test_the_reference_run_supports_what_the_lesson_says():
+    record = timing.load_reference(scaling.REFERENCE)
+    assert record["conclusive"], record["verdict"]  # quiet, and the fastest rounds reproduced
+    assert record["load"]["busy_cores"] <= 0.25 * record["load"]["cores"]
+    assert record["command"].startswith(
+        "python chapters/01_why_ddp/scaling.py --record benchmarks/results/ch01_scaling.json")
+    strong, weak = record["strong"], record["weak"]
+    assert [r["world_size"] for r in strong["heavy"]] == [1, 2, 4]
+    # the cores were free, and the compute fell to about 0.6 of one rank's, not 0.5
+    assert 0.52 < scaling.compute_split(strong["heavy"]) and scaling.cores_were_free(strong["heavy"])
+    assert scaling.cores_were_free(weak["heavy"])
+    heavy, tiny = strong["heavy"], strong["tiny"]
+    assert heavy[1]["speedup"] > 1.1  # heavy got faster on 2 ranks...
+    assert heavy[1]["speedup"] < 1.9  # ...well short of 2x
+    assert tiny[1]["speedup"] < 1.0  # tiny got slower
+    assert tiny[1]["comm_ms"] > 0.5 * tiny[1]["compute_ms"]  # exposed comm ~ the compute
+    assert heavy[2]["speedup"] < heavy[1]["speedup"] and tiny[2]["speedup"] < tiny[1]["speedup"]
+    assert all(rows[0]["epoch_s"] < 2 for rows in strong.values())  # "a second or less"
+    for n in (1, 2):  # weak above strong on 2 and 4 ranks
+        assert weak["heavy"][n]["speedup"] > heavy[n]["speedup"]

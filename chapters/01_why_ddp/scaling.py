@@ -8,7 +8,7 @@ The first command measures the world size torchrun gives it; the second measures
 sizes one after the other, each in fresh ranks started by ``ddpcourse.launcher.run_ranks`` (the
 lesson notebook calls :func:`measure_scaling`, which does the same). The third writes the
 chapter's recorded reference run: what the lesson plots beside its live run and draws its
-conclusions from (strong scaling of both workloads and weak scaling of ``heavy``, 5 rounds each,
+conclusions from (strong scaling of both workloads and weak scaling of ``heavy``, 9 rounds each,
 with the machine, date, torch version, command and load; run it on a quiet machine).
 
 Two workloads, both trained with DDP, the same loop, the same data pipeline (a DataLoader over a
@@ -227,6 +227,24 @@ def work_per_step(workload: str, world_size: int, mode: str = "strong") -> dict:
             "flops_per_byte_sent": flops / sent if sent else math.inf}
 
 
+COMPUTE_SPLIT_MAX = 0.65  # heavy compute on 2 ranks / on 1 rank: above this, a core was busy
+
+
+def compute_split(rows: Sequence[dict]) -> float:
+    """Compute time per step on 2 ranks over 1 rank: under strong scaling 0.5 is a perfect split
+    of the work over two free cores, under weak scaling (each rank does one rank's work) 1.0."""
+    by = {row["world_size"]: row["compute_ms"] for row in rows}
+    return by[2] / by[1]
+
+
+def cores_were_free(rows: Sequence[dict]) -> bool:
+    """Whether 2 ranks computed as fast as two free cores allow, within the margin of
+    :data:`COMPUTE_SPLIT_MAX` (0.65 = 0.5 x 1.3 under strong scaling, 1.3 under weak): if not,
+    another program used a core during the run, whatever the load figure said before it."""
+    ideal = 0.5 if rows[0]["mode"] == "strong" else 1.0
+    return compute_split(rows) <= COMPUTE_SPLIT_MAX * ideal / 0.5
+
+
 def add_speedups(rows: list[dict]) -> list[dict]:
     """Speed-up of each row against the first (one rank): ratio of samples per second."""
     base = rows[0]["samples_per_s"]
@@ -264,7 +282,7 @@ def round_timings(rows: Sequence[dict]) -> dict[str, timing.Timing]:
         r["step_ms_rounds"]) for r in rows}
 
 
-def record_reference(path: Path, world_sizes: Sequence[int] = (1, 2, 4), rounds: int = 5,
+def record_reference(path: Path, world_sizes: Sequence[int] = (1, 2, 4), rounds: int = 9,
                      note: str = "") -> dict:
     """Measure what the lesson plots and write it, with everything that makes it reproducible,
     to ``path`` (a JSON record for :func:`ddpcourse.timing.load_reference`)."""
@@ -312,14 +330,14 @@ def main() -> int:
                         help="only without torchrun: the world sizes to measure one by one")
     parser.add_argument("--rounds", type=int, default=None,
                         help="only without torchrun: measure each world size this many times and "
-                             "keep the fastest run (default 1; 5 with --record)")
+                             "keep the fastest run (default 1; 9 with --record)")
     parser.add_argument("--record", type=Path, default=None,
                         help="only without torchrun: write the lesson's reference run here")
     parser.add_argument("--note", default="", help="with --record: how loaded the machine was")
     opts = parser.parse_args()
 
     if "RANK" not in os.environ and opts.record:
-        record = record_reference(opts.record, opts.world_sizes, opts.rounds or 5, opts.note)
+        record = record_reference(opts.record, opts.world_sizes, opts.rounds or 9, opts.note)
         for mode in ("strong", "weak"):
             for rows in record[mode].values():
                 print(format_table(rows), "\n")
