@@ -129,8 +129,9 @@ print(f"max |grad(DP by hand, 2 devices) - grad(one process, full batch)| = {err
 # broadcast, buckets set up — once per run) and its per-step gradient all-reduce (a step minus
 # the same step under `no_sync`: the part not hidden behind backward). Each time is printed as
 # fastest / median of the repeats, and the cell ends with `ddpcourse.timing`'s verdict: it
-# measures how many cores other work kept busy and whether the repeats agree (median within 20%
-# of the fastest); when either fails it says the machine is too loaded to conclude. This
+# measures how many cores other work kept busy and whether the repeats agree (the second-fastest
+# within 20% of the fastest); when either fails it says the run is too loaded, or too noisy, to
+# conclude. This
 # section has no recorded reference run to fall back on, and needs none: its conclusions rest on
 # the counts, which no load can change; the times only illustrate them.
 
@@ -177,7 +178,7 @@ for label, rows_, key, style in series:
     left.plot(mb, [r[key + "_median_s"] * 1e3 for r in rows_], "x", color=line.get_color())
 left.set(xscale="log", yscale="log", xlabel="model parameters (MB)", ylabel="ms",
          title="Live, this CPU: fastest (line), median (x)"
-               + ("" if verdict.conclusive else "\nTOO LOADED TO CONCLUDE"))
+               + ("" if verdict.conclusive else "\n" + str(verdict).split(":")[0]))
 left.legend(fontsize=8)
 
 # Computed, not measured: nccl-tests' bus bytes per step, in units of the parameter bytes P.
