@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpcourse.grading.exercises.allreduce_by_hand import average_gradients_case, ring_allreduce_case
+from ddpcourse.grading.exercises.allreduce_by_hand import AVERAGE_GRADIENTS, RING_ALLREDUCE
 from ddpcourse.grading.checks import run_student
 
 
@@ -14,9 +14,9 @@ def _hidden(case, world_size, fn, *args):
 def check_average_gradients(average_gradients) -> None:
     __tracebackhide__ = True  # noqa: F841
     for world_size in (1, 3, 4):
-        _hidden(average_gradients_case, world_size, average_gradients, "float32", True, False, 7)
-    _hidden(average_gradients_case, 2, average_gradients, "float64", True, False, 11)
-    _hidden(average_gradients_case, 3, average_gradients, "float32", True, True, 5)  # tied
+        _hidden(AVERAGE_GRADIENTS, world_size, average_gradients, "float32", True, False, 7)
+    _hidden(AVERAGE_GRADIENTS, 2, average_gradients, "float64", True, False, 11)
+    _hidden(AVERAGE_GRADIENTS, 3, average_gradients, "float32", True, True, 5)  # tied
 
 
 def check_ring_allreduce(ring_allreduce) -> None:
@@ -32,7 +32,7 @@ def check_ring_allreduce(ring_allreduce) -> None:
         (4, (4, 9), "float32", 8),
     ]
     for world_size, shape, dtype, seed in cases:
-        _hidden(ring_allreduce_case, world_size, ring_allreduce, shape, dtype, seed)
+        _hidden(RING_ALLREDUCE, world_size, ring_allreduce, shape, dtype, seed)
     # bandwidth: every rank's bytes within the ring bounds, also for uneven chunks
     for world_size, numel in [(3, 999), (4, 1001)]:
-        _hidden(ring_allreduce_case, world_size, ring_allreduce, (numel,), "float64", 9, True)
+        _hidden(RING_ALLREDUCE, world_size, ring_allreduce, (numel,), "float64", 9, True)

@@ -5,6 +5,15 @@ only after the rank's check has set up its audit, so whatever it calls resolves 
 never ran the rest of the notebook. Failures are turned into one :class:`CheckFailed` whose message
 says, per rank, what was expected and what came back. Hidden checks pass ``hide_internals=True``
 so their own code never shows up in a student's feedback.
+
+Two kinds of case. The older kind, a plain ``rank_check(rank, world_size, student_fn, *args)``,
+judges inside the rank, after the student's function ran there. A :class:`Case` splits the work:
+its ``observe`` runs in the rank around the student's call and returns only *data* (tensors,
+numbers, strings, lists, dicts), and its ``judge`` compares that data with a reference it computes
+itself. In a notebook both run here, as before. When the course grades a class, the student's
+function arrives as a :class:`RemoteFunction`: the observations are made in sandboxed ranks and
+only the data comes back, so the verdict is computed in a process that never ran student code
+(see autograder/trusted.py).
 """
 
 from __future__ import annotations
@@ -12,7 +21,8 @@ from __future__ import annotations
 import math
 import os
 import pickle
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,12 +41,59 @@ class CheckFailed(AssertionError):
     """A check found a wrong result; the message is written for the student."""
 
 
-def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Callable, *args,
+@dataclass(frozen=True)
+class Case:
+    """A graded situation whose verdict does not depend on anything the student's code can touch.
+
+    ``observe(rank, world_size, student_fn, *args)`` runs in each rank: it sets up the inputs,
+    calls the student's function and returns what it can see afterwards, as plain data (no objects
+    of the student's). ``judge(observations, world_size, *args)`` gets every rank's data, indexed
+    by rank, recomputes the reference on its own and raises :class:`CheckFailed` when they differ.
+    Both must be module-level functions of ``ddpcourse.grading.exercises`` (the sandboxed ranks
+    import ``observe`` by name).
+    """
+
+    observe: Callable[..., Any]
+    judge: Callable[..., None]
+
+
+class RemoteFunction:
+    """A student's function that must not be loaded in this process (the trusted grader).
+
+    :func:`run_student` hands a :class:`Case`'s ``observe`` to :meth:`observe`, which runs it with
+    the function in ranks elsewhere and returns their observations as validated data, or raises
+    :class:`~ddpcourse.launcher.RankError` with each failed rank's report.
+    """
+
+    __name__ = "the submitted function"
+
+    def observe(self, observe: Callable[..., Any], world_size: int, args: tuple, timeout: float,
+                init_process_group: bool) -> list[Any]:
+        raise NotImplementedError
+
+
+def run_student(case: Case | Callable[..., Any], world_size: int, student_fn: Callable, *args,
                 timeout: float = CHECK_TIMEOUT_S, hide_internals: bool = False,
                 init_process_group: bool = True) -> list[Any]:
-    """Run ``rank_check(rank, world_size, student_fn, *args)`` in ``world_size`` ranks
-    (``init_process_group=False``: processes with torchrun's variables but no group yet)."""
+    """Run a case in ``world_size`` ranks with the student's function and judge it.
+
+    ``case`` is a :class:`Case` (observe in the ranks, judge here) or an older ``rank_check(rank,
+    world_size, student_fn, *args)`` that judges inside the ranks. ``init_process_group=False``:
+    processes with torchrun's variables but no group yet. Returns the ranks' observations (or
+    their return values).
+    """
     __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
+    if isinstance(student_fn, RemoteFunction) and not isinstance(case, Case):
+        raise TypeError(f"{getattr(case, '__name__', case)} judges inside the ranks: a submitted "
+                        "function can only be graded by a Case")
+    if isinstance(case, Case) and isinstance(student_fn, RemoteFunction):
+        try:
+            observations = student_fn.observe(case.observe, world_size, args, timeout,
+                                              init_process_group)
+        except RankError as err:
+            raise CheckFailed(explain(err, hide_internals, timeout)) from None
+        case.judge(observations, world_size, *args)
+        return observations
     integrity.assert_untampered()
     if not callable(student_fn):
         raise CheckFailed(f"expected a function, got {type(student_fn).__name__}")
@@ -48,18 +105,28 @@ def run_student(rank_check: Callable[..., Any], world_size: int, student_fn: Cal
             f"({type(exc).__name__}: {exc}); it must not use locks, open files or sockets "
             "created outside it"
         ) from None
+    observe = case.observe if isinstance(case, Case) else case
     try:
-        # gloo also on GPU machines: the checks build CPU tensors, which NCCL cannot reduce.
-        results = run_ranks(_in_rank, world_size, rank_check, payload, args, timeout=timeout,
-                            seed=0, max_output_bytes=20_000, backend="gloo",
-                            init_process_group=init_process_group)
+        results = run_observation(observe, world_size, payload, args, timeout, init_process_group)
     except RankError as err:
         raise CheckFailed(explain(err, hide_internals, timeout)) from None
     wrong = [f"rank {rank}: {r.message}" for rank, r in enumerate(results)
              if isinstance(r, _WrongResult) and r.message != _PEER_FAILED]
     if wrong:
         raise CheckFailed("\n".join(wrong))
+    if isinstance(case, Case):
+        case.judge(results, world_size, *args)
     return results
+
+
+def run_observation(observe: Callable[..., Any], world_size: int, payload: bytes, args: tuple,
+                    timeout: float, init_process_group: bool = True) -> list[Any]:
+    """``observe(rank, world_size, student_fn, *args)`` in fresh ranks, the student's function
+    rebuilt from ``payload`` in each rank; every rank's result, or RankError."""
+    # gloo also on GPU machines: the checks build CPU tensors, which NCCL cannot reduce.
+    return run_ranks(_in_rank, world_size, observe, payload, args, timeout=timeout, seed=0,
+                     max_output_bytes=20_000, backend="gloo",
+                     init_process_group=init_process_group)
 
 
 _PEER_FAILED = "(stopped: another rank's check failed)"
@@ -153,6 +220,37 @@ def _without_internals(text: str) -> str:
         if not skipping:
             kept.append(line)
     return "\n".join(kept)
+
+
+def observed(observation: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+    """``observation[key]`` when it is of ``kind``; CheckFailed otherwise. Observations of a graded
+    class come from ranks that ran the student's code, so a judge reads them only through this."""
+    if not isinstance(observation, dict) or key not in observation:
+        raise CheckFailed(f"the rank's report lacks {key!r} (did the code replace the check's own "
+                          "functions?)")
+    value = observation[key]
+    if not isinstance(value, kind):
+        raise CheckFailed(f"the rank's report has {key!r} of type {type(value).__name__}")
+    return value
+
+
+def judge_each_rank(observations: Sequence[Any], judge_rank: Callable[[int, Any], None]) -> None:
+    """Call ``judge_rank(rank, observation)`` for every rank; one CheckFailed listing every rank
+    that failed (``rank R: why``), so a student sees whether one rank or all of them went wrong."""
+    wrong = []
+    for rank, observation in enumerate(observations):
+        try:
+            judge_rank(rank, observation)
+        except CheckFailed as failed:
+            wrong.append(f"rank {rank}: {failed}")
+    if wrong:
+        raise CheckFailed("\n".join(wrong))
+
+
+def type_name(value: Any) -> str:
+    """How an observation names a returned value (never the object itself: it could be the
+    student's)."""
+    return "None" if value is None else type(value).__name__
 
 
 def expect_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5,

@@ -4,7 +4,9 @@ The contract is the docstrings of ``average_gradients`` and ``ring_allreduce`` i
 solutions/05_allreduce/allreduce_by_hand.nb.py (students:
 exercises/05_allreduce/allreduce_by_hand.ipynb).
 
-The reference is always PyTorch's own ``dist.all_reduce``, run in the same rank on a copy.
+Each case is a :class:`~ddpcourse.grading.checks.Case`: the ranks report what they hold after the
+student's call, and the judge recomputes every rank's input itself (the inputs are seeded by rank)
+to build the reference: the mean of the gradients, the sum of the tensors.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpcourse.grading.checks import CheckFailed, expect_close, ring_traffic_bounds, run_student
+from ddpcourse.grading.checks import (Case, CheckFailed, expect_close, judge_each_rank, observed,
+                                      ring_traffic_bounds, run_student, type_name)
 from ddpcourse.grading.comm_audit import CommAudit
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
@@ -43,49 +46,72 @@ class GradModel(nn.Module):
         return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
 
 
-def average_gradients_case(rank, world_size, average_gradients, dtype_name="float32",
-                           awkward=False, tied=False, seed=0):
+def model_after_backward(rank, dtype_name="float32", awkward=False, tied=False, seed=0) -> nn.Module:
+    """Rank ``rank``'s model right after its backward: the same weights on every rank, gradients
+    from the rank's own data."""
     dtype = DTYPES[dtype_name]
     torch.manual_seed(seed)
     model = GradModel(awkward, tied).to(dtype)
     torch.manual_seed(seed + 1000 * (rank + 1))  # every rank sees different data
     x = torch.randn(5, 4, dtype=dtype)
     model(x).pow(2).mean().backward()
-    named = list(model.named_parameters())
-    weights = {name: p.detach().clone() for name, p in named}
-    expected = {}
-    for name, p in named:
-        if p.grad is not None:
-            total = p.grad.detach().clone()
-            dist.all_reduce(total)
-            expected[name] = total / world_size
+    return model
+
+
+def observe_average_gradients(rank, world_size, average_gradients, dtype_name="float32",
+                              awkward=False, tied=False, seed=0):
+    model = model_after_backward(rank, dtype_name, awkward, tied, seed)
     result = average_gradients(model)
-    if result is not None:
-        raise CheckFailed(f"average_gradients should return None (it works in place), "
-                          f"it returned {type(result).__name__}")
-    rtol, atol = TOLERANCES[dtype]
-    for name, p in named:
-        if name not in expected:
-            if p.grad is not None:
-                raise CheckFailed(f"parameter {name!r} had no gradient (.grad is None) and must be "
-                                  "skipped, but now it has one")
-            continue
-        if p.grad is None:
-            raise CheckFailed(f"parameter {name!r}: its .grad became None")
-        expect_close(p.grad, expected[name], f"{name}.grad (mean over {world_size} ranks)",
-                     rtol, atol)
-        expect_close(p.detach(), weights[name], f"parameter {name!r} itself (must not change)",
-                     0.0, 0.0)
-    return sorted(expected)
+    return {"returned": type_name(result),
+            "grads": {name: None if p.grad is None else p.grad.detach().clone()
+                      for name, p in model.named_parameters()},
+            "weights": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def judge_average_gradients(observations, world_size, dtype_name="float32", awkward=False,
+                            tied=False, seed=0):
+    models = [dict(model_after_backward(r, dtype_name, awkward, tied, seed).named_parameters())
+              for r in range(world_size)]
+    expected = {name: sum(m[name].grad for m in models) / world_size
+                for name, p in models[0].items() if p.grad is not None}
+    rtol, atol = TOLERANCES[DTYPES[dtype_name]]
+
+    def judge_rank(rank, observation):
+        returned = observed(observation, "returned", str)
+        grads = observed(observation, "grads", dict)
+        weights = observed(observation, "weights", dict)
+        if returned != "None":
+            raise CheckFailed(f"average_gradients should return None (it works in place), it "
+                              f"returned {returned}")
+        if set(grads) != set(models[0]) or set(weights) != set(models[0]):
+            raise CheckFailed(f"the model's parameters changed: {sorted(map(str, grads))}, "
+                              f"expected {sorted(models[0])}")
+        for name, p in models[rank].items():
+            if name not in expected:
+                if grads[name] is not None:
+                    raise CheckFailed(f"parameter {name!r} had no gradient (.grad is None) and "
+                                      "must be skipped, but now it has one")
+            elif not isinstance(grads[name], torch.Tensor):
+                raise CheckFailed(f"parameter {name!r}: its .grad became None")
+            else:
+                expect_close(grads[name], expected[name],
+                             f"{name}.grad (mean over {world_size} ranks)", rtol, atol)
+            expect_close(weights[name], p.detach(), f"parameter {name!r} itself (must not change)",
+                         0.0, 0.0)
+
+    judge_each_rank(observations, judge_rank)
+
+
+AVERAGE_GRADIENTS = Case(observe_average_gradients, judge_average_gradients)
 
 
 def check_average_gradients_two_ranks(average_gradients) -> None:
-    run_student(average_gradients_case, 2, average_gradients)
+    run_student(AVERAGE_GRADIENTS, 2, average_gradients)
 
 
 def check_average_gradients_skips_missing(average_gradients) -> None:
     """A frozen bias and an unused layer have no .grad; they must stay that way."""
-    run_student(average_gradients_case, 2, average_gradients, "float32", True)
+    run_student(AVERAGE_GRADIENTS, 2, average_gradients, "float32", True)
 
 
 # --- ring_allreduce ---------------------------------------------------------------------------
@@ -98,51 +124,69 @@ def make_rank_tensor(rank, shape, dtype, seed):
     return torch.randint(-1000, 1000, shape, generator=generator, dtype=dtype)
 
 
-def ring_allreduce_case(rank, world_size, ring_allreduce, shape=(8,), dtype_name="float32",
-                        seed=0, check_traffic=False):
-    dtype = DTYPES[dtype_name]
-    tensor = make_rank_tensor(rank, shape, dtype, seed)
-    expected = tensor.clone()
-    dist.all_reduce(expected)
+def observe_ring_allreduce(rank, world_size, ring_allreduce, shape=(8,), dtype_name="float32",
+                           seed=0, check_traffic=False):
+    tensor = make_rank_tensor(rank, shape, DTYPES[dtype_name], seed)
     storage = tensor.data_ptr()
     with CommAudit() as audit:
         result = ring_allreduce(tensor)
-    record = audit.record
+    return {"returned": "the tensor itself" if result is tensor else type_name(result),
+            "in_place": tensor.data_ptr() == storage and tuple(tensor.shape) == tuple(shape),
+            "result": tensor.detach().clone(),
+            "collectives": sorted(set(audit.record.collectives)),
+            "bytes_sent": audit.record.bytes_sent}
+
+
+def judge_ring_allreduce(observations, world_size, shape=(8,), dtype_name="float32", seed=0,
+                         check_traffic=False):
+    dtype = DTYPES[dtype_name]
+    inputs = [make_rank_tensor(r, shape, dtype, seed) for r in range(world_size)]
+    expected = sum(inputs[1:], inputs[0].clone())
     what = f"tensor of shape {tuple(shape)}, {dtype_name}, world size {world_size}"
-    if record.collectives:
-        raise CheckFailed(f"{what}: ring_allreduce must use point-to-point calls only "
-                          f"(send/recv/isend/irecv), but it called {sorted(set(record.collectives))}")
-    if result is not None and result is not tensor:
-        raise CheckFailed(f"{what}: ring_allreduce must work in place and return None; it "
-                          f"returned a {type(result).__name__}")
-    if tensor.data_ptr() != storage or tuple(tensor.shape) != tuple(shape):
-        raise CheckFailed(f"{what}: the input tensor must be updated in place")
     rtol, atol = TOLERANCES.get(dtype, (0.0, 0.0))
-    expect_close(tensor, expected, f"{what}, after ring_allreduce", rtol, atol)
-    numel = tensor.numel()
-    lower, upper = ring_traffic_bounds(numel, world_size, tensor.element_size())
-    if check_traffic and not lower <= record.bytes_sent <= upper:
-        ideal = 2 * (world_size - 1) / world_size * numel * tensor.element_size()
-        raise CheckFailed(
-            f"{what}: this rank sent {record.bytes_sent} bytes; a ring all-reduce sends about "
-            f"2(N-1)/N of the tensor = {ideal:.0f} bytes (accepted: {lower}..{upper}). "
-            + ("Sending the whole tensor to every peer is not bandwidth-optimal."
-               if record.bytes_sent > upper else "Too little data moved for a correct all-reduce.")
-        )
-    return record.bytes_sent
+    itemsize = expected.element_size()
+    lower, upper = ring_traffic_bounds(expected.numel(), world_size, itemsize)
+
+    def judge_rank(rank, observation):
+        collectives = observed(observation, "collectives", list)
+        if collectives:
+            raise CheckFailed(f"{what}: ring_allreduce must use point-to-point calls only "
+                              "(send/recv/isend/irecv), but it called "
+                              f"{sorted(map(str, collectives))}")
+        returned = observed(observation, "returned", str)
+        if returned not in ("None", "the tensor itself"):
+            raise CheckFailed(f"{what}: ring_allreduce must work in place and return None; it "
+                              f"returned a {returned}")
+        if observed(observation, "in_place", bool) is not True:
+            raise CheckFailed(f"{what}: the input tensor must be updated in place")
+        expect_close(observed(observation, "result", torch.Tensor), expected,
+                     f"{what}, after ring_allreduce", rtol, atol)
+        sent = observed(observation, "bytes_sent", int)
+        if check_traffic and not lower <= sent <= upper:
+            ideal = 2 * (world_size - 1) / world_size * expected.numel() * itemsize
+            raise CheckFailed(
+                f"{what}: this rank sent {sent} bytes; a ring all-reduce sends about 2(N-1)/N of "
+                f"the tensor = {ideal:.0f} bytes (accepted: {lower}..{upper}). "
+                + ("Sending the whole tensor to every peer is not bandwidth-optimal."
+                   if sent > upper else "Too little data moved for a correct all-reduce."))
+
+    judge_each_rank(observations, judge_rank)
+
+
+RING_ALLREDUCE = Case(observe_ring_allreduce, judge_ring_allreduce)
 
 
 def check_ring_allreduce_two_ranks(ring_allreduce) -> None:
     for shape in [(8,), (7,)]:
-        run_student(ring_allreduce_case, 2, ring_allreduce, shape)
+        run_student(RING_ALLREDUCE, 2, ring_allreduce, shape)
 
 
 def check_ring_allreduce_world_sizes(ring_allreduce) -> None:
     """3 and 4 ranks, lengths not divisible by the world size, and fewer elements than ranks."""
     for world_size in (3, 4):
         for shape in [(10,), (2,), (world_size * 5,)]:
-            run_student(ring_allreduce_case, world_size, ring_allreduce, shape)
+            run_student(RING_ALLREDUCE, world_size, ring_allreduce, shape)
 
 
 def check_ring_allreduce_is_bandwidth_optimal(ring_allreduce) -> None:
-    run_student(ring_allreduce_case, 4, ring_allreduce, (1000,), "float32", 0, True)
+    run_student(RING_ALLREDUCE, 4, ring_allreduce, (1000,), "float32", 0, True)

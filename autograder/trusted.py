@@ -1,0 +1,264 @@
+"""Grade a submission's functions in a process that never runs student code.
+
+The notebook's own test cells run in the student's kernel, which the student controls (input
+transformers, patched functions, threads...), so their verdicts are only a courtesy. The grade
+comes from here:
+
+1. the kernel leaves each graded function behind as pickled bytes (``setup_notebook`` does it
+   after every cell when the worker asks); this process never unpickles them;
+2. :class:`ObservationHost` starts ``ddpcourse.grading.observation_host`` in the submission's
+   sandbox: it runs a case's ``observe`` in fresh ranks with the student's function and sends back
+   every rank's observations as plain data;
+3. the test cells of the *trusted* source notebook (solutions/, which the student never edits) say
+   which checks each graded cell runs on which function: ``checks.check_x(fn)`` and, in hidden
+   blocks, ``hidden.check_y(fn)``. Each check runs here, on a :class:`SubmittedFunction`, and its
+   cases' ``judge`` turns the observations into the verdict.
+
+Hidden checks live only here: the sandbox sees the visible ``observe`` functions and the
+arguments of each case, never the hidden modules or the solutions.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import nbformat
+
+from ddpcourse.grading.checks import CheckFailed, RemoteFunction
+from ddpcourse.grading.exercises import CHECKS_PACKAGE, hidden_checks
+from ddpcourse.grading.frames import (FrameError, read_frame, tensors_from_bytes,
+                                      tensors_to_bytes, write_frame)
+from ddpcourse.launcher import RankError, RankFailure, RankTimeoutError
+from ddpcourse.launcher.processes import kill_process_group
+
+MAX_OBSERVATION_BYTES = 64 << 20
+HOST_MARGIN_S = 60.0  # the host starts ranks and reports on top of the ranks' own deadline
+FAILURE_KINDS = ("raised", "exited", "timeout", "stopped")
+_TEXT_LIMIT = 20_000
+
+
+class HostFailed(RuntimeError):
+    """The sandboxed host died, answered nonsense, or did not answer in time."""
+
+
+class ObservationHost:
+    """One ``observation_host`` process for one submission, started with ``wrap(argv)`` (the
+    sandbox's command line; identity when grading unsandboxed). Restarted after a failure."""
+
+    def __init__(self, wrap: Callable[[list[str]], list[str]] = list, env: dict | None = None,
+                 log_path: Path | None = None):
+        self.wrap, self.env, self.log_path = wrap, env, log_path
+        self.process: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    def _start(self) -> None:
+        to_host_r, self.to_host = os.pipe()
+        self.from_host, from_host_w = os.pipe()
+        argv = [sys.executable, "-m", "ddpcourse.grading.observation_host", str(to_host_r),
+                str(from_host_w)]
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.process = subprocess.Popen(self.wrap(argv), pass_fds=(to_host_r, from_host_w),
+                                            stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
+        finally:
+            os.close(to_host_r)
+            os.close(from_host_w)
+            if self.log_path:
+                log.close()
+
+    def observe(self, observe, world_size: int, args: tuple, payload: bytes, timeout: float,
+                init_process_group: bool) -> list:
+        name = f"{observe.__module__}:{observe.__qualname__}"
+        if not name.startswith(CHECKS_PACKAGE + "."):
+            raise ValueError(f"{name} is not a case of {CHECKS_PACKAGE}")
+        encoded_args = tensors_to_bytes(args)
+        request = {"observe": name, "world_size": world_size, "timeout": timeout,
+                   "init_process_group": init_process_group, "args_bytes": len(encoded_args)}
+        with self.lock:
+            if self.process is None or self.process.poll() is not None:
+                self.close()
+                self._start()
+            reply = self._ask(request, encoded_args + payload, timeout + HOST_MARGIN_S)
+        header, body = reply
+        status = header.get("status")
+        if status == "ok":
+            observations = tensors_from_bytes(body)
+            if not isinstance(observations, list) or len(observations) != world_size:
+                raise HostFailed(f"the sandbox sent {type(observations).__name__} instead of "
+                                 f"{world_size} observations")
+            return observations
+        if status == "failed":
+            raise rebuild_rank_error(header, world_size)
+        raise HostFailed(f"the sandbox could not run the case: {str(header.get('message'))[:2000]}")
+
+    def _ask(self, request: dict, body: bytes, deadline_s: float) -> tuple[dict, bytes]:
+        answer: list = []
+
+        def exchange():
+            try:
+                write_frame(self.to_host, request, body)
+                answer.append(read_frame(self.from_host, MAX_OBSERVATION_BYTES))
+            except (FrameError, OSError) as exc:
+                answer.append(exc)
+
+        talker = threading.Thread(target=exchange, daemon=True)
+        talker.start()
+        talker.join(deadline_s)
+        if talker.is_alive() or not answer or isinstance(answer[0], Exception):
+            why = ("did not answer within "
+                   f"{deadline_s:g} s" if talker.is_alive() or not answer else str(answer[0]))
+            self.close()  # unblocks the talker: its pipes close
+            talker.join(5)
+            raise HostFailed(f"the sandboxed ranks' host {why}")
+        return answer[0]
+
+    def close(self) -> None:
+        if self.process is not None:
+            kill_process_group(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+        for name in ("to_host", "from_host"):
+            fd = self.__dict__.pop(name, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def rebuild_rank_error(header: dict, world_size: int) -> RankError:
+    """The RankError the host reported, rebuilt from its fields only (checked, truncated)."""
+    failures = []
+    for raw in header.get("failures") or []:
+        if not isinstance(raw, dict):
+            continue
+        rank, kind = raw.get("rank"), raw.get("kind")
+        if not isinstance(rank, int) or not 0 <= rank < world_size or kind not in FAILURE_KINDS:
+            continue
+        exitcode = raw.get("exitcode")
+        failures.append(RankFailure(
+            rank=rank, kind=kind, exitcode=exitcode if isinstance(exitcode, int) else None,
+            exc_type=_text(raw.get("exc_type"), 200) or None, message=_text(raw.get("message")),
+            traceback=_text(raw.get("traceback")), stack=_text(raw.get("stack")),
+            output_tail=_text(raw.get("output_tail"))))
+    if not failures:
+        failures = [RankFailure(rank=0, kind="exited", message="the ranks failed without a report")]
+    error = RankTimeoutError if header.get("timed_out") is True else RankError
+    return error(failures, world_size, _text(header.get("backend"), 20) or "gloo")
+
+
+def _text(value, limit: int = _TEXT_LIMIT) -> str:
+    return value[:limit] if isinstance(value, str) else ""
+
+
+class SubmittedFunction(RemoteFunction):
+    """A student's function as the kernel left it (pickled bytes), run only in the sandbox."""
+
+    def __init__(self, name: str, payload: bytes, host: ObservationHost):
+        self.__name__, self.payload, self.host = name, payload, host
+
+    def observe(self, observe, world_size, args, timeout, init_process_group):
+        try:
+            return self.host.observe(observe, world_size, args, self.payload, timeout,
+                                     init_process_group)
+        except HostFailed as exc:
+            raise RankError([RankFailure(rank=0, kind="exited", message=str(exc))], world_size,
+                            "gloo", intro=str(exc)) from None
+
+
+# --- which checks each graded cell runs ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckCall:
+    module: str  # ddpcourse.grading.exercises.SLUG or autograder.hidden.SLUG
+    check: str
+    arguments: tuple[str, ...]  # names of the notebook's graded functions
+
+
+@dataclass(frozen=True)
+class GradedCell:
+    grade_id: str
+    points: float
+    calls: tuple[CheckCall, ...]
+
+
+def graded_cells(source_notebook: Path) -> list[GradedCell]:
+    """The graded cells of a trusted source notebook, with the check calls each makes."""
+    slug = source_notebook.stem
+    modules = {"checks": f"{CHECKS_PACKAGE}.{slug}", "hidden": hidden_checks(slug)}
+    cells = []
+    for cell in nbformat.read(source_notebook, as_version=4).cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type != "code" or not meta.get("grade"):
+            continue
+        calls = []
+        for node in ast.walk(ast.parse(cell.source)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in modules):
+                names = tuple(arg.id for arg in node.args if isinstance(arg, ast.Name))
+                if len(names) != len(node.args) or node.keywords:
+                    raise ValueError(f"{source_notebook.name}, cell {meta['grade_id']}: a check "
+                                     "may only be given the notebook's functions by name")
+                calls.append(CheckCall(modules[node.func.value.id], node.func.attr, names))
+        cells.append(GradedCell(meta["grade_id"], float(meta.get("points", 0)), tuple(calls)))
+    return cells
+
+
+def graded_names(cells: Sequence[GradedCell]) -> list[str]:
+    """The notebook's functions the checks are given (what the kernel must leave behind)."""
+    return sorted({name for cell in cells for call in cell.calls for name in call.arguments})
+
+
+@dataclass
+class CellVerdict:
+    grade_id: str
+    points: float
+    score: float
+    message: str  # empty when passed
+
+
+def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
+                host: ObservationHost) -> list[CellVerdict]:
+    """Run every graded cell's checks on the submitted functions; a cell scores its points only
+    if all of its checks pass."""
+    verdicts = []
+    for cell in cells:
+        message = ""
+        for call in cell.calls:
+            missing = [name for name in call.arguments if name not in payloads]
+            if missing:
+                message = (f"{', '.join(missing)} was not defined when the notebook finished (or "
+                           "could not be sent to the ranks)")
+                break
+            functions = [SubmittedFunction(name, payloads[name], host) for name in call.arguments]
+            check = getattr(importlib.import_module(call.module), call.check)
+            try:
+                check(*functions)
+            except CheckFailed as failed:
+                message = str(failed)
+                break
+            except Exception as exc:  # noqa: BLE001 - the grader's own failure, not the student's
+                message = (f"the grader could not run {call.check}: {type(exc).__name__}: {exc}. "
+                           "Tell your instructor.")
+                break
+        verdicts.append(CellVerdict(cell.grade_id, cell.points, 0.0 if message else cell.points,
+                                    message))
+    return verdicts

@@ -1,0 +1,72 @@
+"""Run graded cases in ranks for the trusted grader, from inside a submission's sandbox.
+
+    python -m ddpcourse.grading.observation_host READ_FD WRITE_FD
+
+The autograder starts this process in the sandbox of one submission and sends it requests on
+``READ_FD``: which case's ``observe`` to run (a function of ``ddpcourse.grading.exercises``, named
+by module and qualified name), in how many ranks, with which arguments, and the student's
+function as pickled bytes. It runs them with :func:`ddpcourse.grading.checks.run_observation`
+(fresh ranks, each rebuilds the student's function) and answers on ``WRITE_FD`` with every rank's
+observation, or with each failed rank's report, as plain data (see :mod:`ddpcourse.grading.frames`).
+Nothing here judges: the verdict is computed by the grader, outside the sandbox.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from ddpcourse.grading.checks import run_observation
+from ddpcourse.grading.exercises import CHECKS_PACKAGE
+from ddpcourse.grading.frames import (FrameError, read_frame, tensors_from_bytes,
+                                      tensors_to_bytes, write_frame)
+from ddpcourse.launcher import RankError, RankTimeoutError, prestart
+
+MAX_REQUEST_BYTES = 256 << 20
+FAILURE_FIELDS = ("rank", "kind", "exitcode", "exc_type", "message", "traceback", "stack",
+                  "output_tail")
+
+
+def observe_function(name: str):
+    module_name, _, qualname = name.partition(":")
+    if not module_name.startswith(CHECKS_PACKAGE + "."):
+        raise ValueError(f"{name!r} is not a case of {CHECKS_PACKAGE}")
+    target = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def answer(request: dict, body: bytes) -> tuple[dict, bytes]:
+    args_size = int(request["args_bytes"])
+    args = tensors_from_bytes(body[:args_size])
+    payload = body[args_size:]
+    observe = observe_function(request["observe"])
+    try:
+        observations = run_observation(observe, int(request["world_size"]), payload, tuple(args),
+                                       float(request["timeout"]),
+                                       bool(request["init_process_group"]))
+    except RankError as err:
+        failures = [{name: getattr(failure, name) for name in FAILURE_FIELDS}
+                    for failure in err.failures]
+        return {"status": "failed", "timed_out": isinstance(err, RankTimeoutError),
+                "backend": err.backend, "failures": failures}, b""
+    return {"status": "ok"}, tensors_to_bytes(observations)
+
+
+def serve(read_fd: int, write_fd: int) -> int:
+    prestart()
+    while True:
+        try:
+            request, body = read_frame(read_fd, MAX_REQUEST_BYTES)
+        except FrameError:
+            return 0  # the grader closed the channel: done
+        try:
+            header, reply = answer(request, body)
+        except Exception as exc:  # noqa: BLE001 - reported to the grader, which decides
+            header, reply = {"status": "error", "message": f"{type(exc).__name__}: {exc}"}, b""
+        write_frame(write_fd, header, reply)
+
+
+if __name__ == "__main__":
+    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2])))
