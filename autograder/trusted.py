@@ -262,3 +262,70 @@ def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
         verdicts.append(CellVerdict(cell.grade_id, cell.points, 0.0 if message else cell.points,
                                     message))
     return verdicts
+
+
+# --- what the worker does with them ----------------------------------------------------------------
+
+HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+HIDDEN_STAND_IN = 'print("hidden tests: graded outside this notebook, see the grader\'s note")'
+GRADER_NOTE = "[grader] "
+
+
+def graded_here(slug: str) -> bool:
+    """Whether an exercise's verdicts come from here: its checks module says every check runs
+    :class:`~ddpcourse.grading.checks.Case` s (``TRUSTED_VERDICTS = True``)."""
+    module = importlib.import_module(f"{CHECKS_PACKAGE}.{slug}")
+    return getattr(module, "TRUSTED_VERDICTS", False) is True
+
+
+def strip_hidden_tests(notebook_path: Path) -> None:
+    """Replace every hidden-test block of a source notebook by a stand-in line, so the hidden
+    checks are never sent to the student's kernel (they run here instead)."""
+    notebook = nbformat.read(notebook_path, as_version=4)
+    for cell in notebook.cells:
+        lines, kept, hidden = cell.source.splitlines(), [], False
+        for line in lines:
+            if line.strip() == HIDDEN_BEGIN:
+                hidden = True
+                kept.append(HIDDEN_STAND_IN)
+            elif line.strip() == HIDDEN_END:
+                hidden = False
+            elif not hidden:
+                kept.append(line)
+        cell.source = "\n".join(kept)
+    nbformat.write(notebook, notebook_path)
+
+
+def record_verdicts(gradebook_url: str, assignment: str, slug: str, student: str,
+                    verdicts: Sequence[CellVerdict]) -> None:
+    """Put the verdicts in nbgrader's gradebook as the cells' automatic scores."""
+    from nbgrader.api import Gradebook, MissingEntry
+
+    with Gradebook(gradebook_url) as gradebook:
+        for verdict in verdicts:
+            try:
+                grade = gradebook.find_grade(verdict.grade_id, slug, assignment, student)
+            except MissingEntry:
+                continue  # the notebook was not handed in
+            grade.auto_score = verdict.score
+        gradebook.db.commit()
+
+
+def annotate(notebook_path: Path, verdicts: Sequence[CellVerdict]) -> None:
+    """Open each graded cell's output with the grader's verdict, and label the kernel's own
+    output below it as the notebook's run (shown, not graded)."""
+    by_id = {verdict.grade_id: verdict for verdict in verdicts}
+    notebook = nbformat.read(notebook_path, as_version=4)
+    for cell in notebook.cells:
+        verdict = by_id.get(cell.metadata.get("nbgrader", {}).get("grade_id"))
+        if verdict is None or cell.cell_type != "code":
+            continue
+        outcome = (f"passed ({verdict.score:g} of {verdict.points:g} points)" if not
+                   verdict.message else f"FAILED (0 of {verdict.points:g} points):\n"
+                   f"{verdict.message}")
+        note = (f"{GRADER_NOTE}Graded outside your notebook, by the grader's own run of your "
+                f"functions: {outcome}\n")
+        if cell.outputs:
+            note += "[grader] Below: what this cell printed in your notebook (not graded).\n"
+        cell.outputs.insert(0, nbformat.v4.new_output("stream", name="stdout", text=note))
+    nbformat.write(notebook, notebook_path)

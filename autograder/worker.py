@@ -13,6 +13,7 @@ that says so, so no student silently disappears. The result goes to ``result.jso
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -20,9 +21,11 @@ from pathlib import Path
 
 import nbformat
 
+from autograder import trusted
 from autograder.nbgrader_api import REPO, api_for, check, load_config
 from autograder.notices import write_notice
 from autograder.tamper_scan import locked_ids_of, scan_notebook
+from ddpcourse.grading.notebook_guard import GRADED_FUNCTIONS, GRADED_FUNCTIONS_DIR
 
 SETUP_ID = "setup"
 
@@ -105,6 +108,17 @@ def _cell_report(nb, index: int, what: str) -> str:
     return f"code cell {index + 1} (of the notebook's {len(nb.cells)} cells): {what}.\n\n{head}"
 
 
+MAX_FUNCTION_BYTES = 16 << 20
+
+
+def _grade_outside(cells, functions_dir: Path, log_path: Path) -> list:
+    """The trusted verdicts of one notebook's graded cells (see autograder/trusted.py)."""
+    payloads = {path.stem: path.read_bytes() for path in sorted(functions_dir.glob("*.pickle"))
+                if path.stat().st_size <= MAX_FUNCTION_BYTES}
+    with trusted.ObservationHost(log_path=log_path) as host:
+        return trusted.grade_cells(cells, payloads, host)
+
+
 def grade_one(job: dict) -> dict:
     started = time.monotonic()
     student, assignment = job["student"], job["assignment"]
@@ -124,6 +138,15 @@ def grade_one(job: dict) -> dict:
     flags = [str(f) for nb in sorted(submitted.glob("*.ipynb")) for f in scan_notebook(nb, locked)]
     moved = [nb.name for nb in sorted(submitted.glob("*.ipynb")) if _setup_first(nb)]
 
+    graded_outside = {nb.stem: trusted.graded_cells(REPO / "solutions" / assignment / nb.name)
+                      for nb in sorted(source.glob("*.ipynb")) if trusted.graded_here(nb.stem)}
+    for slug in graded_outside:
+        trusted.strip_hidden_tests(source / f"{slug}.ipynb")
+    functions_dir = work / "graded_functions"
+    os.environ[GRADED_FUNCTIONS_DIR] = str(functions_dir)
+    os.environ[GRADED_FUNCTIONS] = ",".join(
+        sorted({name for cells in graded_outside.values() for name in trusted.graded_names(cells)}))
+
     check(api.generate_assignment(assignment, force=True, create=True), "generate_assignment")
     autograde = api.autograde(assignment, student, force=True, create=True)
     autograded = work / "autograded" / student / assignment
@@ -131,6 +154,14 @@ def grade_one(job: dict) -> dict:
     if moved:
         notes.append(f"the setup cell had been moved; it was put back first in {moved}")
     feedback_dir = work / "feedback" / student / assignment
+    for slug, cells in graded_outside.items():
+        notebook = autograded / f"{slug}.ipynb"
+        if notebook.exists():
+            verdicts = _grade_outside(cells, functions_dir / slug, work / f"{slug}.host.log")
+            trusted.record_verdicts(config.CourseDirectory.db_url, assignment, slug, student,
+                                    verdicts)
+            trusted.annotate(notebook, verdicts)
+            notes.append(f"{slug}: scores computed outside the notebook")
     if autograded.exists() and any(autograded.glob("*.ipynb")):
         check(api.generate_feedback(assignment, student, force=True), "generate_feedback")
     else:

@@ -8,7 +8,11 @@ notebook's own kernel. In the kernel (never in the ranks):
   that do not exist: a process group belongs inside a function run with ``run_ranks``;
 * ``os._exit`` called from a notebook cell raises instead of killing the kernel;
 * each cell's printed output is capped, so a runaway print loop cannot produce 100 MB;
-* the rank servers start (and the call waits until the warm one is ready), and the integrity snapshot is taken before any student code runs.
+* the rank servers start (and the call waits until the warm one is ready), and the integrity snapshot is taken before any student code runs;
+* when the autograder asks (``DDPCOURSE_GRADED_FUNCTIONS_DIR`` and ``DDPCOURSE_GRADED_FUNCTIONS``,
+  set only for a graded run), after every cell the graded functions are left in that folder's
+  subfolder named by the exercise, as pickled bytes, which the grader runs in sandboxed ranks and judges outside this kernel
+  (autograder/trusted.py): the kernel's own test verdicts are not what is graded.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -83,6 +88,25 @@ class _CappedStream:
         return getattr(self._stream, name)
 
 
+GRADED_FUNCTIONS_DIR = "DDPCOURSE_GRADED_FUNCTIONS_DIR"
+GRADED_FUNCTIONS = "DDPCOURSE_GRADED_FUNCTIONS"
+
+
+def leave_graded_functions(namespace: dict, folder: Path, names: list[str]) -> None:
+    """Write each graded function of ``namespace`` to ``folder/NAME.pickle`` (by value, as the
+    ranks get it); remove the file of one that is gone or cannot be pickled."""
+    for name in names:
+        target = folder / f"{name}.pickle"
+        try:
+            payload = launcher.pickle_by_value(namespace[name])
+        except Exception:  # noqa: BLE001 - undefined or unpicklable: the grader reports it
+            target.unlink(missing_ok=True)
+            continue
+        partial = target.with_suffix(".partial")
+        partial.write_bytes(payload)
+        os.replace(partial, target)
+
+
 def setup_notebook(exercise: str, max_cell_output_bytes: int = MAX_CELL_OUTPUT_BYTES) -> None:
     """Make this kernel safe to grade (see the module docstring). Idempotent.
 
@@ -105,6 +129,12 @@ def setup_notebook(exercise: str, max_cell_output_bytes: int = MAX_CELL_OUTPUT_B
             capped = _CappedStream(getattr(sys, name), max_cell_output_bytes)
             setattr(sys, name, capped)
             ipython.events.register("pre_run_cell", capped.reset)
+        folder, names = os.environ.get(GRADED_FUNCTIONS_DIR), os.environ.get(GRADED_FUNCTIONS)
+        if folder and names:
+            target = Path(folder) / exercise
+            target.mkdir(parents=True, exist_ok=True)
+            ipython.events.register("post_run_cell", lambda *_: leave_graded_functions(
+                ipython.user_ns, target, names.split(",")))
         setup_notebook._done = True
     # Grading must not depend on timing: wait (~2 s, once) for the rank server that has every
     # lazy torch import done, so no check's ranks pay for importing torch._dynamo themselves.

@@ -20,7 +20,7 @@ from ddpcourse.grading.checks import run_observation
 from ddpcourse.grading.exercises import CHECKS_PACKAGE
 from ddpcourse.grading.frames import (FrameError, read_frame, tensors_from_bytes,
                                       tensors_to_bytes, write_frame)
-from ddpcourse.launcher import RankError, RankTimeoutError, prestart
+from ddpcourse.launcher import RankError, RankTimeoutError, wait_until_warm
 
 MAX_REQUEST_BYTES = 256 << 20
 FAILURE_FIELDS = ("rank", "kind", "exitcode", "exc_type", "message", "traceback", "stack",
@@ -55,7 +55,7 @@ def answer(request: dict, body: bytes) -> tuple[dict, bytes]:
 
 
 def serve(read_fd: int, write_fd: int) -> int:
-    prestart()
+    wait_until_warm()  # the first case must not pay for importing torch._dynamo in its ranks
     while True:
         try:
             request, body = read_frame(read_fd, MAX_REQUEST_BYTES)

@@ -19,6 +19,7 @@ from ddpcourse.grading.checks import (Case, CheckFailed, expect_close, judge_eac
                                       ring_traffic_bounds, run_student, type_name)
 from ddpcourse.grading.comm_audit import CommAudit
 
+TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12)}
 
