@@ -1,0 +1,154 @@
+"""Verdicts computed where no student code ran (autograder/trusted.py): the pieces, one by one.
+
+The whole pipeline, with hostile submissions, is graded in tests/test_hostile_submissions.py.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+import cloudpickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autograder import trusted
+from autograder.hidden import allreduce_by_hand as hidden
+from autograder.sources import SOLUTIONS
+from ddpcourse.grading import frames
+from ddpcourse.grading.checks import CheckFailed, run_student
+from ddpcourse.grading.exercises import allreduce_by_hand as checks
+from ddpcourse.launcher import RankTimeoutError, pickle_by_value
+
+SOURCE = SOLUTIONS / "05_allreduce" / "allreduce_by_hand.ipynb"
+
+
+def average_gradients(model):
+    world_size = dist.get_world_size()
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            dist.all_reduce(parameter.grad)
+            parameter.grad /= world_size
+
+
+def rebinds_the_check(model):
+    """Attack: rebind the comparison inside the rank, through an alias of the module."""
+    from ddpcourse.grading import checks as grading
+    alias = grading
+    alias.expect_close = lambda *args, **kwargs: None
+    import torch as t
+    t.allclose = lambda *args, **kwargs: True
+    t.equal = lambda *args, **kwargs: True
+
+
+def fakes_the_report(model):
+    """Attack: replace the observation function the rank is running, so the report claims the
+    right gradients without computing them."""
+    import ddpcourse.grading.exercises.allreduce_by_hand as case_module
+    case_module.type_name = lambda value: "None"
+    for parameter in model.parameters():
+        parameter.grad = None
+
+
+@pytest.fixture(scope="module")
+def host():
+    with trusted.ObservationHost() as host:
+        yield host
+
+
+def submitted(fn, host):
+    """``fn`` as the kernel leaves it: pickled by value (a notebook's functions live in
+    ``__main__``; these live in this test module, which the host cannot import)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
+
+
+def test_a_correct_function_passes_visible_and_hidden_checks_run_here(host):
+    fn = submitted(average_gradients, host)
+    checks.check_average_gradients_two_ranks(fn)
+    checks.check_average_gradients_skips_missing(fn)
+    hidden.check_average_gradients(fn)
+
+
+@pytest.mark.parametrize("attack", [rebinds_the_check, fakes_the_report])
+def test_what_the_student_changes_inside_the_ranks_cannot_change_the_verdict(host, attack):
+    with pytest.raises(CheckFailed) as failed:
+        checks.check_average_gradients_two_ranks(submitted(attack, host))
+    assert "rank 0:" in str(failed.value) and "rank 1:" in str(failed.value)
+
+
+def test_a_deadlock_in_the_sandboxed_ranks_is_reported_with_where_it_was(host):
+    def waits_forever(model):
+        import time
+        time.sleep(120)
+
+    with pytest.raises(CheckFailed, match="did not finish within") as failed:
+        run_student(checks.AVERAGE_GRADIENTS, 2, submitted(waits_forever, host), timeout=5.0)
+    assert "waits_forever" in str(failed.value)
+
+
+def test_the_source_notebook_says_which_checks_each_cell_runs():
+    cells = {cell.grade_id: cell for cell in trusted.graded_cells(SOURCE)}
+    hidden_cell = cells["test-ring-allreduce-hidden"]
+    assert [(c.module, c.check, c.arguments) for c in hidden_cell.calls] == [
+        ("autograder.hidden.allreduce_by_hand", "check_ring_allreduce", ("ring_allreduce",))]
+    assert cells["test-average-gradients-two-ranks"].calls[0].check == \
+        "check_average_gradients_two_ranks"
+    assert sum(cell.points for cell in cells.values()) == 13
+    assert trusted.graded_names(list(cells.values())) == ["average_gradients", "ring_allreduce"]
+
+
+def test_hidden_blocks_never_reach_the_kernel(tmp_path):
+    copy = tmp_path / SOURCE.name
+    copy.write_bytes(SOURCE.read_bytes())
+    trusted.strip_hidden_tests(copy)
+    text = copy.read_text()
+    assert "autograder.hidden" not in text and "BEGIN HIDDEN TESTS" not in text
+    assert text.count("graded outside this notebook") == 2
+
+
+def test_missing_functions_and_grader_errors_score_zero_with_a_reason(host):
+    cells = trusted.graded_cells(SOURCE)[:1]
+    verdict, = trusted.grade_cells(cells, {}, host)
+    assert verdict.score == 0 and "average_gradients was not defined" in verdict.message
+
+
+def test_observations_must_be_plain_data():
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    with pytest.raises(frames.FrameError):
+        frames.tensors_from_bytes(pickle.dumps([Evil()], protocol=2))
+    data = [{"result": torch.arange(3), "returned": "None", "bytes": 12}]
+    assert frames.tensors_from_bytes(frames.tensors_to_bytes(data))[0]["bytes"] == 12
+
+
+def test_a_frame_over_the_limit_is_refused_before_it_is_read():
+    read, write = os.pipe()
+    frames.write_frame(write, {"status": "ok"}, b"x" * 1000)
+    with pytest.raises(frames.FrameError, match="over the limit"):
+        frames.read_frame(read, max_body_bytes=100)
+    os.close(read), os.close(write)
+
+
+@pytest.mark.parametrize("observations", [
+    [None, None], [{"returned": 3}, {}], [{"returned": "None", "grads": [], "weights": {}}] * 2,
+    [{"returned": "None", "grads": {"inp.weight": "x"}, "weights": {}}] * 2,
+])
+def test_malformed_reports_fail_the_check_instead_of_the_grader(observations):
+    with pytest.raises(CheckFailed):
+        checks.judge_average_gradients(observations, 2)
+
+
+def test_a_rank_report_is_rebuilt_from_checked_fields_only():
+    header = {"timed_out": True, "backend": "gloo", "failures": [
+        {"rank": 1, "kind": "timeout", "stack": "s" * 100_000, "exitcode": "x"},
+        {"rank": 7, "kind": "raised"}, {"rank": 0, "kind": "pwned"}, "junk"]}
+    error = trusted.rebuild_rank_error(header, world_size=2)
+    assert isinstance(error, RankTimeoutError)
+    assert [(f.rank, f.kind) for f in error.failures] == [(1, "timeout")]
+    assert len(error.failures[0].stack) <= 20_000 and error.failures[0].exitcode is None
