@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+from autograder.sandbox import POLICIES, SandboxUnavailable, resolve
 from autograder.sources import assignments
 
 
@@ -26,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds per notebook cell (default: nbgrader_config.py's)")
     grade.add_argument("--student-timeout", type=int, default=1800,
                        help="hard limit in seconds for one submission, everything included")
+    grade.add_argument("--sandbox", choices=POLICIES, default="require",
+                       help="run each submission's kernel and ranks in a bubblewrap sandbox: "
+                            "'require' (default) refuses to grade where it cannot; 'warn' grades "
+                            "unsandboxed and says so in every feedback page and CSV row; 'off' "
+                            "grades unsandboxed (trusted submissions only)")
     opts = parser.parse_args(argv)
 
     if opts.command == "release":
@@ -35,6 +42,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"released {path}")
         return 0
     from autograder.grade import grade_class, print_summary
+    from autograder.worker import SANDBOX_POLICY
+
+    try:
+        resolve(opts.sandbox)
+    except SandboxUnavailable as refused:
+        print(refused, file=sys.stderr)
+        return 2
+    os.environ[SANDBOX_POLICY] = opts.sandbox  # the workers inherit it
 
     results = grade_class(opts.submissions, opts.assignment, opts.out, jobs=opts.jobs,
                           cell_timeout=opts.cell_timeout, student_timeout=opts.student_timeout)

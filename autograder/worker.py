@@ -20,14 +20,17 @@ import time
 from pathlib import Path
 
 import nbformat
+from traitlets.config import Config
 
-from autograder import trusted
+from autograder import sandbox, trusted
 from autograder.nbgrader_api import REPO, api_for, check, load_config
 from autograder.notices import write_notice
+from autograder.sandboxed_kernel import SandboxedKernelManager
 from autograder.tamper_scan import locked_ids_of, scan_notebook
 from ddpcourse.grading.notebook_guard import GRADED_FUNCTIONS, GRADED_FUNCTIONS_DIR
 
 SETUP_ID = "setup"
+SANDBOX_POLICY = "DDPCOURSE_SANDBOX"  # require, warn or off: set by ``grade --sandbox``
 
 
 def _setup_first(path: Path) -> bool:
@@ -70,7 +73,34 @@ def _export(config, assignment: str, student: str, dest: Path) -> None:
         plugin.export(gb)
 
 
-def _diagnose_dropped(notebook: Path, cell_timeout: int) -> str:
+def _sandboxes(work: Path, autograded: Path, kernel_dir: Path, functions_dir: Path,
+               host_dir: Path) -> tuple[sandbox.Sandbox, sandbox.Sandbox]:
+    """The student's kernel may write its own notebook folder, its sockets and the functions it
+    leaves behind; the ranks' host only its own folder. Both see neither the grader-only folders
+    (solutions, hidden checks, the repository's history) nor any student's work but their own."""
+    hidden = (REPO / "solutions", REPO / "autograder" / "hidden", REPO / ".git",
+              work.parent.parent)
+    environment = {"IPYTHONDIR": str(kernel_dir / "ipython"), "MPLCONFIGDIR": str(kernel_dir),
+                   # the kernel's parent is the sandbox's init (pid 1), not the grader: no parent
+                   # polling (the sandbox dies with the grader anyway)
+                   "JPY_PARENT_PID": "1"}
+    kernel = sandbox.Sandbox(writable=(kernel_dir, autograded, functions_dir), hidden=hidden,
+                             env=environment)
+    host = sandbox.Sandbox(writable=(host_dir,), hidden=hidden, env={"MPLCONFIGDIR": str(host_dir)})
+    return kernel, host
+
+
+def _sandboxed_kernel_config(box: sandbox.Sandbox | None, kernel_dir: Path) -> Config:
+    config = Config()
+    if box is not None:
+        config.NotebookClient.kernel_manager_class = SandboxedKernelManager
+        config.SandboxedKernelManager.sandbox_prefix = box.command([])
+        config.SandboxedKernelManager.connection_dir = str(kernel_dir)
+    return config
+
+
+def _diagnose_dropped(notebook: Path, cell_timeout: int, kernel_dir: Path,
+                      box: sandbox.Sandbox | None) -> str:
     """Execute the (sanitised) submission once more to find the cell that killed its kernel."""
     import tempfile
 
@@ -85,9 +115,10 @@ def _diagnose_dropped(notebook: Path, cell_timeout: int) -> str:
         executed[0] = cell_index
 
     try:
-        with tempfile.TemporaryDirectory(prefix="ddpcourse-kernel-") as socket_dir:
+        with tempfile.TemporaryDirectory(prefix="diagnose-", dir=kernel_dir) as socket_dir:
             client = ipc_client(nb, socket_dir, notebook.parent, cell_timeout,
-                                allow_errors=True, interrupt_on_timeout=False)
+                                config=_sandboxed_kernel_config(box, kernel_dir), allow_errors=True,
+                                interrupt_on_timeout=False)
             client.on_cell_execute = remember
             client.execute()
     except DeadKernelError:
@@ -111,11 +142,14 @@ def _cell_report(nb, index: int, what: str) -> str:
 MAX_FUNCTION_BYTES = 16 << 20
 
 
-def _grade_outside(cells, functions_dir: Path, log_path: Path) -> list:
+def _grade_outside(cells, functions_dir: Path, log_path: Path,
+                   box: sandbox.Sandbox | None) -> list:
     """The trusted verdicts of one notebook's graded cells (see autograder/trusted.py)."""
     payloads = {path.stem: path.read_bytes() for path in sorted(functions_dir.glob("*.pickle"))
-                if path.stat().st_size <= MAX_FUNCTION_BYTES}
-    with trusted.ObservationHost(log_path=log_path) as host:
+                if path.is_file() and not path.is_symlink()
+                and path.stat().st_size <= MAX_FUNCTION_BYTES}
+    wrap = box.command if box is not None else list
+    with trusted.ObservationHost(wrap=wrap, log_path=log_path) as host:
         return trusted.grade_cells(cells, payloads, host)
 
 
@@ -132,6 +166,19 @@ def grade_one(job: dict) -> dict:
     config = load_config(work, cell_timeout=job.get("cell_timeout"), source_directory="source",
                          submitted_directory="submitted", autograded_directory="autograded",
                          feedback_directory="feedback", release_directory="release")
+
+    use_sandbox, sandbox_warning = sandbox.resolve(os.environ.get(SANDBOX_POLICY, "require"))
+    autograded = work / "autograded" / student / assignment
+    kernel_dir, functions_dir, host_dir = (work / "kernel", work / "graded_functions",
+                                           work / "host")
+    for folder in (kernel_dir, functions_dir, host_dir, autograded):
+        folder.mkdir(parents=True, exist_ok=True)
+    # nbgrader deletes and remakes the student's autograded folder: bind its parent, which stays.
+    kernel_box, host_box = (_sandboxes(work, autograded.parent.parent, kernel_dir, functions_dir,
+                                       host_dir)
+                            if use_sandbox else (None, None))
+    config.KernelManager.ip = str(kernel_dir / "ipc")
+    config.merge(_sandboxed_kernel_config(kernel_box, kernel_dir))
     api = api_for(config)
 
     locked = set().union(*(locked_ids_of(p) for p in source.glob("*.ipynb")))
@@ -142,22 +189,21 @@ def grade_one(job: dict) -> dict:
                       for nb in sorted(source.glob("*.ipynb")) if trusted.graded_here(nb.stem)}
     for slug in graded_outside:
         trusted.strip_hidden_tests(source / f"{slug}.ipynb")
-    functions_dir = work / "graded_functions"
     os.environ[GRADED_FUNCTIONS_DIR] = str(functions_dir)
     os.environ[GRADED_FUNCTIONS] = ",".join(
         sorted({name for cells in graded_outside.values() for name in trusted.graded_names(cells)}))
 
     check(api.generate_assignment(assignment, force=True, create=True), "generate_assignment")
     autograde = api.autograde(assignment, student, force=True, create=True)
-    autograded = work / "autograded" / student / assignment
-    status, notes = "graded", []
+    status, notes = "graded", [sandbox_warning] if sandbox_warning else []
     if moved:
         notes.append(f"the setup cell had been moved; it was put back first in {moved}")
     feedback_dir = work / "feedback" / student / assignment
     for slug, cells in graded_outside.items():
         notebook = autograded / f"{slug}.ipynb"
         if notebook.exists():
-            verdicts = _grade_outside(cells, functions_dir / slug, work / f"{slug}.host.log")
+            verdicts = _grade_outside(cells, functions_dir / slug, work / f"{slug}.host.log",
+                                      host_box)
             trusted.record_verdicts(config.CourseDirectory.db_url, assignment, slug, student,
                                     verdicts)
             trusted.annotate(notebook, verdicts)
@@ -166,7 +212,8 @@ def grade_one(job: dict) -> dict:
         check(api.generate_feedback(assignment, student, force=True), "generate_feedback")
     else:
         status = "dropped by nbgrader"
-        reasons = [f"{nb.name}: {_diagnose_dropped(nb, config.Execute.timeout)}"
+        timeout = config.Execute.timeout
+        reasons = [f"{nb.name}: {_diagnose_dropped(nb, timeout, kernel_dir, kernel_box)}"
                    for nb in sorted(submitted.glob("*.ipynb"))]
         notes.extend(reasons)
         for nb in sorted(submitted.glob("*.ipynb")):

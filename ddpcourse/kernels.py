@@ -27,9 +27,13 @@ def ipc_kernel_config(socket_dir: str) -> Config:
 
 
 def ipc_client(nb, socket_dir: str, cwd: Path, timeout: int, kernel_name: str = "python3",
-               **client_options) -> NotebookClient:
-    """A NotebookClient that starts (and, owning it, shuts down) an IPC kernel in ``cwd``."""
-    return NotebookClient(nb, config=ipc_kernel_config(socket_dir), kernel_name=kernel_name,
+               config: Config | None = None, **client_options) -> NotebookClient:
+    """A NotebookClient that starts (and, owning it, shuts down) an IPC kernel in ``cwd``;
+    ``config`` is merged in (e.g. a kernel manager that starts the kernel in a sandbox)."""
+    merged = ipc_kernel_config(socket_dir)
+    if config is not None:
+        merged.merge(config)
+    return NotebookClient(nb, config=merged, kernel_name=kernel_name,
                           timeout=timeout, resources={"metadata": {"path": str(cwd)}},
                           **client_options)
 

@@ -296,4 +296,3 @@ def ring_traffic_bounds(numel: int, world_size: int, itemsize: int) -> tuple[int
     lower = 2 * (numel - math.ceil(numel / world_size)) * itemsize
     upper = int(1.25 * ideal) + 2 * (world_size - 1) * itemsize
     return lower, upper
-#
