@@ -18,10 +18,12 @@ import csv
 import ctypes
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from autograder.notices import write_notice
 from ddpcourse.launcher.processes import kill_process_group, live_descendants, process_table
 
 _PR_SET_CHILD_SUBREAPER = 36
+MAX_LOG_BYTES = 1_000_000
 
 
 def _become_subreaper() -> None:
@@ -48,6 +51,89 @@ def find_submissions(submissions: Path, assignment: str) -> dict[str, Path]:
     return found
 
 
+class CappedLog:
+    """A worker's stdout and stderr: a pipe that a thread drains into ``path``, keeping the first
+    bytes and the last ``tail`` bytes, ``cap`` in all, and counting what it drops in between.
+
+    A kernel and anything it starts inherit these file descriptors, so a submission that writes
+    to them (``os.write(1, ...)``, a subprocess) would otherwise fill the log without limit. The
+    thread never stops reading, so a writer never blocks on a full pipe; the tail keeps the end
+    of the log, where a crashed worker's traceback is.
+    """
+
+    def __init__(self, path: Path, cap: int = MAX_LOG_BYTES, tail: int = 64_000):
+        self.path = path
+        self.dropped = 0
+        self._head_cap = self._head_room = cap - tail
+        self._tail_cap = tail
+        self._tail = bytearray()
+        self._file = open(path, "wb", buffering=0)
+        self._read_fd, self.write_fd = os.pipe()
+        self._stop_at: float | None = None
+        self._thread = threading.Thread(target=self._drain, name=f"log {path.name}", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        pipe = select.poll()
+        pipe.register(self._read_fd, select.POLLIN)
+        try:
+            while True:
+                # Once the worker has exited, read only what is waiting in the pipe, for at most
+                # a second: a process it left behind may hold the pipe open, or keep writing.
+                stop_at = self._stop_at
+                if stop_at is not None and time.monotonic() > stop_at:
+                    break
+                if not pipe.poll(0 if stop_at is not None else 200):
+                    if stop_at is not None:
+                        break
+                    continue
+                chunk = os.read(self._read_fd, 1 << 16)
+                if not chunk:
+                    break
+                self._store(chunk)
+            if self.dropped:
+                self._write(f"\n[... {self.dropped:,} bytes dropped here: this log keeps its "
+                            f"first {self._head_cap:,} and last {self._tail_cap:,} bytes ...]\n"
+                            .encode())
+            self._write(bytes(self._tail))
+        finally:
+            self._file.close()
+            os.close(self._read_fd)
+
+    def _store(self, chunk: bytes) -> None:
+        if self._head_room > 0:
+            head, chunk = chunk[:self._head_room], chunk[self._head_room:]
+            self._head_room -= len(head)
+            self._write(head)
+        self._tail += chunk
+        excess = len(self._tail) - self._tail_cap
+        if excess > 0:
+            del self._tail[:excess]
+            self.dropped += excess
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self._file.write(data)
+        except OSError:  # a full disk: keep draining the pipe all the same
+            self.dropped += len(data)
+
+    def close_write_end(self) -> None:
+        """Close this process's copy of the pipe's write end (once the worker has its own)."""
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+
+    def close(self) -> None:
+        """Once the worker has exited: store what it left in the pipe and finish the file."""
+        self.close_write_end()
+        if self._stop_at is None:
+            self._stop_at = time.monotonic() + 1.0
+        self._thread.join()
+
+    def tail(self, size: int) -> str:
+        return self.path.read_bytes()[-size:].decode(errors="replace")
+
+
 class _Worker:
     def __init__(self, student: str, submission: Path, assignment: str, out: Path,
                  cell_timeout: int | None, student_timeout: float):
@@ -63,12 +149,17 @@ class _Worker:
         job_path.write_text(json.dumps(job))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        self.log = open(self.log_path, "w")
+        self.log = CappedLog(self.log_path)
         self.started = time.monotonic()
         self.deadline = self.started + student_timeout
-        self.process = subprocess.Popen([sys.executable, "-m", "autograder.worker", str(job_path)],
-                                        cwd=REPO, env=env, stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "autograder.worker", str(job_path)], cwd=REPO, env=env,
+                stdout=self.log.write_fd, stderr=subprocess.STDOUT, start_new_session=True)
+        except BaseException:
+            self.log.close()
+            raise
+        self.log.close_write_end()
         self.assignment = assignment
         self.out = out
 
@@ -82,7 +173,7 @@ class _Worker:
         self.log.close()
         if self.result_path.exists():
             return json.loads(self.result_path.read_text())
-        tail = self.log_path.read_text()[-3000:]
+        tail = self.log.tail(3000)
         return self._failed("grader error", f"the grading worker exited with code "
                                             f"{self.process.returncode}:\n{tail}")
 

@@ -11,13 +11,22 @@ Timeouts, from the inside out: a check's ``run_ranks`` call gives up after 15 s
 but stops at the first failure, so a hanging submission fails a cell after ~15 s and a correct one
 passes in a few seconds. Each cell gets ``Execute.timeout`` = 240 s; the whole submission gets a
 hard deadline in the grading worker (autograder/grade.py).
+
+Output caps: autograde executes with ``autograder.capped_execute.CappedExecute`` instead of
+nbgrader's ``Execute``, so what a submission prints, displays or writes to its file descriptors is
+capped in this process, where it arrives, not only inside the student's kernel.
 """
 
+import sys
 from pathlib import Path
 
 c = get_config()  # noqa: F821 - provided by traitlets when nbgrader loads this file
 
 REPO = Path(__file__).resolve().parent.parent
+
+# `nbgrader autograde` (its script's folder first on sys.path) must import autograder/ too.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 c.CourseDirectory.root = str(REPO)
 c.CourseDirectory.source_directory = "solutions"
@@ -35,7 +44,20 @@ c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 
 c.Execute.timeout = 240
 c.Execute.interrupt_on_timeout = True
-c.Execute.startup_timeout = 120
+c.Execute.startup_timeout = 120  # these Execute settings apply to CappedExecute too
+
+# nbgrader's own list (nbgrader.converters.Autograde), with Execute replaced by CappedExecute.
+c.Autograde.autograde_preprocessors = [
+    "autograder.capped_execute.CappedExecute",
+    "nbgrader.preprocessors.IgnorePattern",
+    "nbconvert.preprocessors.ClearMetadataPreprocessor",
+    "nbgrader.preprocessors.LimitOutput",
+    "nbgrader.preprocessors.SaveAutoGrades",
+    "nbgrader.preprocessors.AssignLatePenalties",
+    "nbgrader.preprocessors.CheckCellMetadata",
+]
+c.CappedExecute.max_cell_output_bytes = 200_000  # = notebook_guard.MAX_CELL_OUTPUT_BYTES
+c.CappedExecute.max_notebook_output_bytes = 2_000_000
 
 # A deleted test cell comes back (and is graded), instead of silently losing its points.
 c.OverwriteCells.add_missing_cells = True
