@@ -1,17 +1,23 @@
 """The checks of exercise bucketed_ddp (chapter 05 part 2: broadcast_parameters, BucketedDDP) pass
 the reference solution and catch plausible wrong ones (each wrong version is the solution with one
-mistake a student could make). The exercise: solutions/05_allreduce/bucketed_ddp.nb.py."""
+mistake a student could make), in the student's kernel and judged by the trusted grader
+(autograder/trusted.py), where only the ranks' observations come back. The exercise:
+solutions/05_allreduce/bucketed_ddp.nb.py."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from autograder import trusted
 from autograder.hidden import bucketed_ddp as hidden
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import bucketed_ddp as checks
+from ddpcourse.launcher import pickle_by_value
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 
@@ -99,3 +105,152 @@ def test_bucketed_ddp_checks_catch(mistake, replacement, check, message):
     _, BucketedDDP = build(replacement)
     with pytest.raises(CheckFailed, match=message):
         check(BucketedDDP)
+
+
+SUM_NOT_MEAN = ("            flat /= world_size\n", "")
+REBINDS_THE_CHECKS = ("        broadcast_parameters(module)\n", """\
+        broadcast_parameters(module)
+        import ddpcourse.grading.checks as grading
+        import ddpcourse.grading.exercises.bucketed_ddp as case
+        grading.expect_close = case.expect_close = lambda *args, **kwargs: None
+        torch.allclose = lambda *args, **kwargs: True
+        torch.equal = lambda *args, **kwargs: True
+""")
+
+
+def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
+    """The sum instead of the mean, and a constructor that rebinds the comparisons in its rank:
+    the judge runs outside the ranks (here: in this process), so the rebinding changes nothing."""
+    _, BucketedDDP = build(SUM_NOT_MEAN, REBINDS_THE_CHECKS)
+    with pytest.raises(CheckFailed, match="largest difference") as failed:
+        checks.check_bucketed_ddp_matches_one_process(BucketedDDP)
+    assert "rank 0:" in str(failed.value) and "rank 1:" in str(failed.value)
+
+
+# --- judged by the trusted grader: the ranks run in autograder's observation host ------------
+
+
+@pytest.fixture(scope="module")
+def host():
+    with trusted.ObservationHost() as host:
+        yield host
+
+
+def submitted(fn, host):
+    """``fn`` as the kernel leaves it: pickled by value (built by ``exec``, it has no module to be
+    imported from; a class travels by value too)."""
+    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
+
+
+def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
+    broadcast_parameters, BucketedDDP = (submitted(fn, host) for fn in build())
+    checks.check_broadcast_parameters_two_ranks(broadcast_parameters)
+    checks.check_broadcast_parameters_buffers_and_frozen(broadcast_parameters)
+    hidden.check_broadcast_parameters(broadcast_parameters)
+    checks.check_bucketed_ddp_matches_one_process(BucketedDDP)
+    checks.check_bucketed_ddp_one_allreduce_per_bucket(BucketedDDP)
+    checks.check_bucketed_ddp_overlaps_backward(BucketedDDP)
+    hidden.check_bucketed_ddp(BucketedDDP)
+
+
+@pytest.mark.parametrize("mistake, replacements, check, message", [
+    ("only rank 1 broadcasts", [("dist.broadcast(tensor, src=0)",
+                                 "dist.broadcast(tensor, src=min(1, dist.get_world_size() - 1))")],
+     checks.check_broadcast_parameters_two_ranks, "is not rank 0's value"),
+    ("the sum, and the checks rebound in the ranks", [SUM_NOT_MEAN, REBINDS_THE_CHECKS],
+     checks.check_bucketed_ddp_matches_one_process, "largest difference"),
+    ("all-reduces only after backward", [("if self._missing[index] == 0:\n            "
+                                          "self._launch(index)", "pass")],
+     checks.check_bucketed_ddp_overlaps_backward, "must start .async_op=True. as soon as"),
+    ("frozen parameters hooked too", [("[p for p in module.parameters() if p.requires_grad]",
+                                       "list(module.parameters())")],
+     hidden.check_bucketed_ddp, "raised RuntimeError"),
+])
+def test_the_trusted_grader_catches(host, mistake, replacements, check, message):
+    broadcast_parameters, BucketedDDP = build(*replacements)
+    graded = broadcast_parameters if "broadcast" in check.__name__ else BucketedDDP
+    with pytest.raises(CheckFailed, match=message) as failed:
+        check(submitted(graded, host))
+    assert str(failed.value).startswith("rank ")  # each failed rank is named
+
+
+# --- the judges read the ranks' reports as untrusted data ----------------------------------
+
+
+def honest_broadcast_report(world_size):
+    reference = checks.state_of(checks.reference_net("plain", torch.float32, 0))
+    return {"returned": "None",
+            "tensors": {name: {"value": t.detach().clone(), "same_storage": True,
+                               "requires_grad": t.requires_grad, "grad": False}
+                        for name, t in reference.items()},
+            "group_after": (world_size * torch.arange(4, dtype=torch.float64)
+                            + world_size * (world_size - 1) / 2)}
+
+
+def honest_training_report(world_size, bucket_cap_mb, steps):
+    reference = checks.one_process(world_size, bucket_cap_mb, "plain", torch.float32, 0, steps)
+    plan = reference.plan
+    return {"is_module": True, "construction_collectives": ["broadcast_"],
+            "state": reference.state, "weights": reference.weights,
+            "steps": [{"returned": "None", "allreduce_bytes": list(plan.bucket_bytes),
+                       "other_collectives": [], "launched_at_input": [plan.early],
+                       "launched_in_backward": len(plan.with_grad), "grads": grads}
+                      for grads in reference.grads]}
+
+
+def altered(report, path, value):
+    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
+    an empty path replaces the whole report."""
+    if not path:
+        return value
+    report = copy.deepcopy(report)
+    inner = report
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return report
+
+
+BROADCAST_DAMAGE = [
+    ((), None), ((), {}), (("returned",), 3), (("returned",), "Module"), (("tensors",), []),
+    (("tensors", "scale"), "x"), (("tensors", "scale", "value"), [1.0, 2.0, 3.0]),
+    (("tensors", "scale", "value"), torch.zeros(5)), (("tensors", "out.bias", "grad"), "no"),
+    (("tensors", "out.bias", "same_storage"), 1), (("tensors", "extra"), {}),
+    (("group_after",), 5), (("group_after",), "x" * 1_000_000), (("group_after",), torch.ones(2)),
+]
+TRAINING_DAMAGE = [
+    ((), None), ((), [1, 2]), (("is_module",), "yes"), (("construction_collectives",), "all"),
+    (("state",), {"inp.weight": "x"}), (("state", "scale"), torch.zeros(3, dtype=torch.int64)),
+    (("steps",), "many"), (("steps",), []), (("steps", 0), None),
+    (("steps", 0, "returned"), None), (("steps", 0, "allreduce_bytes"), ["a", 3]),
+    (("steps", 0, "allreduce_bytes"), {}), (("steps", 0, "other_collectives"), [1, None]),
+    (("steps", 0, "launched_at_input"), ["x"]), (("steps", 0, "launched_in_backward"), "1"),
+    (("steps", 0, "grads"), []), (("steps", 0, "grads", "out.bias"), "nan"),
+    (("steps", 0, "grads", "out.bias"), torch.zeros(2, 2, dtype=torch.complex64)),
+    (("steps", 1, "grads", "out.bias"), torch.zeros(3).to_sparse()),
+    (("weights",), [1]), (("weights", "out.bias"), None),
+]
+
+
+def test_honest_reports_pass_the_judges():
+    checks.judge_broadcast([honest_broadcast_report(2)] * 2, 2)
+    checks.judge_bucketed_training([honest_training_report(2, 0.0015, 2)] * 2, 2, 0.0015,
+                                   "plain", "float32", 0, 2, True)
+
+
+@pytest.mark.parametrize("case, path, value",
+                         [("broadcast", *damage) for damage in BROADCAST_DAMAGE]
+                         + [("training", *damage) for damage in TRAINING_DAMAGE],
+                         ids=lambda v: repr(v)[:40])
+def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge(case, path, value):
+    """Rank 1's report is damaged (what a hostile rank may send): the verdict names rank 1 only,
+    in a message of bounded size."""
+    if case == "broadcast":
+        honest, judge, args = honest_broadcast_report(2), checks.judge_broadcast, ()
+    else:
+        honest, judge = honest_training_report(2, 0.0015, 2), checks.judge_bucketed_training
+        args = (0.0015, "plain", "float32", 0, 2, True)
+    with pytest.raises(CheckFailed) as failed:
+        judge([honest, altered(honest, path, value)], 2, *args)
+    message = str(failed.value)
+    assert message.startswith("rank 1:") and "rank 0:" not in message and len(message) < 5000

@@ -3,7 +3,7 @@ tied parameters, a bucket cap far below one parameter."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.exercises.bucketed_ddp import broadcast_case, bucketed_training_case
+from ddpcourse.grading.exercises.bucketed_ddp import BROADCAST, BUCKETED_TRAINING
 from ddpcourse.grading.checks import run_student
 
 
@@ -17,7 +17,7 @@ def check_broadcast_parameters(broadcast_parameters) -> None:
     for world_size, variant, dtype, seed in [(1, "plain", "float32", 3), (4, "batchnorm",
                                              "float32", 4), (2, "unused", "float64", 5),
                                              (4, "tied", "float64", 6)]:
-        _hidden(broadcast_case, world_size, broadcast_parameters, variant, dtype, seed)
+        _hidden(BROADCAST, world_size, broadcast_parameters, variant, dtype, seed)
 
 
 def check_bucketed_ddp(BucketedDDP) -> None:
@@ -32,5 +32,5 @@ def check_bucketed_ddp(BucketedDDP) -> None:
         (2, 0.002, "tied", "float64", 9),
     ]
     for world_size, bucket_cap_mb, variant, dtype, seed in cases:
-        _hidden(bucketed_training_case, world_size, BucketedDDP, bucket_cap_mb, variant, dtype,
+        _hidden(BUCKETED_TRAINING, world_size, BucketedDDP, bucket_cap_mb, variant, dtype,
                 seed)

@@ -1,5 +1,5 @@
 """Chapter 05, from all-reduce to DDP: visible checks for ``broadcast_parameters`` and
-``BucketedDDP``, and the rank-side cases the hidden checks reuse.
+``BucketedDDP``, and the cases the hidden checks reuse.
 
 The contract is the docstrings of ``broadcast_parameters`` and ``BucketedDDP`` (the class and its
 methods) in solutions/05_allreduce/bucketed_ddp.nb.py (students:
@@ -10,17 +10,26 @@ reference is one process training rank 0's model on the whole batch (the concate
 rank's share). The all-reduces are recorded with :class:`~ddpcourse.grading.comm_audit.CommAudit`,
 and the moment backward reaches the model's input (a hook on the input tensor, which fires after
 every layer but the first is done) tells whether communication overlapped with backward.
+
+Each case is a :class:`~ddpcourse.grading.checks.Case`: the ranks only record what they see
+(the module's tensors, the collectives, the gradients of every step) and the judge rebuilds rank
+0's model, replays the one-process training and the bucket plan itself, and compares.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ddpcourse.grading.checks import (CheckFailed, agree_on, expect_close, group_problem,
-                                      run_student)
+from ddpcourse.grading.checks import (Case, CheckFailed, expect_close, judge_each_rank, observed,
+                                      run_student, type_name)
 from ddpcourse.grading.comm_audit import CommAudit
 
+TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # After a few SGD steps the bucketed average and the one-process gradient differ only by the order
 # in which float32 sums are taken (a few ulps per step); DDP itself ends within 5e-8 of one
@@ -30,6 +39,7 @@ TOLERANCES = {torch.float32: (1e-5, 1e-6), torch.float64: (1e-10, 1e-12)}
 MIB = 1024 * 1024
 ROWS_PER_RANK = 4
 LR = 0.1
+_MAX_TEXT = 500  # of a text a rank reports, in a message
 
 
 class Net(nn.Module):
@@ -77,6 +87,13 @@ def make_net(variant: str, dtype: torch.dtype, seed: int) -> Net:
     return Net(variant).to(dtype)
 
 
+def reference_net(variant: str, dtype: torch.dtype, seed: int) -> Net:
+    """Rank 0's model, built by a judge without moving the caller's random state (in a notebook
+    the judge runs in the student's kernel)."""
+    with torch.random.fork_rng(devices=[]):
+        return make_net(variant, dtype, rank_seed(seed, 0))
+
+
 def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers by name (shared ones once), as the module holds them."""
     state = dict(module.named_parameters())
@@ -84,13 +101,9 @@ def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def expect_rank0_state(module: nn.Module, rank0: nn.Module, what: str) -> None:
-    reference = state_of(rank0)
-    for name, tensor in state_of(module).items():
-        if not torch.equal(tensor.detach(), reference[name].detach()):
-            diff = (tensor.detach().double() - reference[name].detach().double()).abs().max()
-            raise CheckFailed(f"{what}: {name!r} is not rank 0's value (largest difference "
-                              f"{diff.item():.3g}); every parameter and buffer must be rank 0's")
+def copy_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached clones: what an observation holds instead of the module's own tensors."""
+    return {name: t.detach().clone() for name, t in tensors.items()}
 
 
 def expected_buckets(module: nn.Module, bucket_cap_mb: float) -> list[list[str]]:
@@ -110,48 +123,132 @@ def expected_buckets(module: nn.Module, bucket_cap_mb: float) -> list[list[str]]
     return buckets
 
 
+# --- reading what a rank reported (it may be anything: the rank ran the student's code) --------
+
+
+def _text(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "..."
+
+
+def reported_tensor(value: Any, what: str) -> torch.Tensor:
+    if (not isinstance(value, torch.Tensor) or value.layout != torch.strided
+            or value.device.type != "cpu"):
+        raise CheckFailed(f"{what}: the rank's report has {type_name(value)} instead of a tensor")
+    return value
+
+
+def reported_ints(value: list, what: str) -> list[int]:
+    if not all(isinstance(v, int) for v in value):
+        raise CheckFailed(f"the rank's report has {what} that are not all integers")
+    return value
+
+
+def reported_names(report: dict, reference: dict, what: str) -> None:
+    """The report names exactly the reference's parameters (and buffers)."""
+    if set(report) != set(reference):
+        raise CheckFailed(f"{what}: the module's parameters/buffers changed: "
+                          f"{_text(sorted(map(str, report)))}")
+
+
+def expect_rank0_state(state: dict, reference: dict[str, torch.Tensor], what: str) -> None:
+    """Every tensor of ``state`` (reported by a rank) is exactly rank 0's, ``reference``."""
+    reported_names(state, reference, what)
+    for name, expected in reference.items():
+        tensor = reported_tensor(state[name], f"{what}, {name!r}")
+        expected = expected.detach()
+        if tensor.shape != expected.shape or tensor.dtype != expected.dtype:
+            raise CheckFailed(f"{what}: {name!r} is not rank 0's value (shape "
+                              f"{tuple(tensor.shape)}, {tensor.dtype}; rank 0's: "
+                              f"{tuple(expected.shape)}, {expected.dtype}); every parameter and "
+                              "buffer must be rank 0's")
+        if not torch.equal(tensor, expected):
+            diff = (tensor.double() - expected.double()).abs().max()
+            raise CheckFailed(f"{what}: {name!r} is not rank 0's value (largest difference "
+                              f"{diff.item():.3g}); every parameter and buffer must be rank 0's")
+
+
 # --- broadcast_parameters ---------------------------------------------------------------------
 
 
-def broadcast_case(rank, world_size, broadcast_parameters, variant="plain", dtype_name="float32",
-                   seed=0):
-    dtype = DTYPES[dtype_name]
-    module = make_net(variant, dtype, rank_seed(seed, rank))
-    rank0 = make_net(variant, dtype, rank_seed(seed, 0))
-    before = {name: (t.data_ptr(), t.requires_grad) for name, t in state_of(module).items()}
+def probe_group(rank: int) -> torch.Tensor | str:
+    """A real all-reduce after the student's call: its result, or what it raised (a rank that
+    skipped or added a collective leaves its peers out of step). Only recorded: judged later."""
+    probe = torch.arange(4, dtype=torch.float64) + rank
+    try:
+        dist.all_reduce(probe)
+    except Exception as exc:  # noqa: BLE001 - any failure here is the finding
+        return f"{type(exc).__name__}: {exc}"
+    return probe
+
+
+def expect_usable_group(probe: Any, world_size: int, what: str) -> None:
+    if isinstance(probe, str):
+        raise CheckFailed(f"after {what}, the process group is unusable: a real all_reduce "
+                          f"raised {_text(probe)}")
+    probe = reported_tensor(probe, f"after {what}, a real all_reduce")
+    expected = (world_size * torch.arange(4, dtype=torch.float64)
+                + world_size * (world_size - 1) / 2)
+    if not torch.equal(probe, expected):
+        raise CheckFailed(f"after {what}, a real all_reduce gave {_text(probe.tolist())} instead "
+                          f"of {expected.tolist()}: is a collective of yours still pending?")
+
+
+def observe_broadcast(rank, world_size, broadcast_parameters, variant="plain",
+                      dtype_name="float32", seed=0):
+    """Every parameter and buffer after the call: its value, whether it kept its storage, its
+    requires_grad, whether it got a .grad; what the call returned; a real all-reduce after it."""
+    module = make_net(variant, DTYPES[dtype_name], rank_seed(seed, rank))
+    storage = {name: t.data_ptr() for name, t in state_of(module).items()}
     result = broadcast_parameters(module)
+    tensors = {name: {"value": t.detach().clone(),
+                      "same_storage": storage.get(name) == t.data_ptr(),
+                      "requires_grad": bool(t.requires_grad),
+                      "grad": isinstance(t, nn.Parameter) and t.grad is not None}
+               for name, t in state_of(module).items()}
+    return {"returned": type_name(result), "tensors": tensors, "group_after": probe_group(rank)}
+
+
+def judge_broadcast(observations, world_size, variant="plain", dtype_name="float32", seed=0):
     what = f"broadcast_parameters, {world_size} ranks ({variant} model, {dtype_name})"
-    agree_on(expect_broadcast, module, rank0, before, result, what)
-    unusable = group_problem(rank, world_size, what)
-    if unusable:
-        raise CheckFailed(unusable)
-    return sorted(state_of(module))
+    reference = state_of(reference_net(variant, DTYPES[dtype_name], seed))
+
+    def judge_rank(rank, observation):
+        returned = observed(observation, "returned", str)
+        if returned != "None":
+            raise CheckFailed(f"{what}: must return None (it works in place), returned "
+                              f"{_text(returned)}")
+        tensors = observed(observation, "tensors", dict)
+        reported_names(tensors, reference, what)
+        for name, expected in reference.items():
+            entry = tensors[name]
+            if (observed(entry, "same_storage", bool) is not True
+                    or observed(entry, "requires_grad", bool) != expected.requires_grad):
+                raise CheckFailed(f"{what}: {name!r} must be updated in place (same storage, "
+                                  "same requires_grad): an optimizer built before holds these "
+                                  "tensors")
+            if isinstance(expected, nn.Parameter) and observed(entry, "grad", bool) is not False:
+                raise CheckFailed(f"{what}: {name!r} got a .grad; broadcasting must not touch "
+                                  "autograd")
+        expect_rank0_state({name: observed(tensors[name], "value", torch.Tensor)
+                            for name in reference}, reference, what)
+        expect_usable_group(observed(observation, "group_after", (str, torch.Tensor)), world_size,
+                            what)
+
+    judge_each_rank(observations, judge_rank)
 
 
-def expect_broadcast(module, rank0, before, result, what) -> None:
-    if result is not None:
-        raise CheckFailed(f"{what}: must return None (it works in place), returned "
-                          f"{type(result).__name__}")
-    after = state_of(module)
-    if set(after) != set(before):
-        raise CheckFailed(f"{what}: the module's parameters/buffers changed: {sorted(after)}")
-    for name, tensor in after.items():
-        if (tensor.data_ptr(), tensor.requires_grad) != before[name]:
-            raise CheckFailed(f"{what}: {name!r} must be updated in place (same storage, same "
-                              "requires_grad): an optimizer built before holds these tensors")
-        if isinstance(tensor, nn.Parameter) and tensor.grad is not None:
-            raise CheckFailed(f"{what}: {name!r} got a .grad; broadcasting must not touch autograd")
-    expect_rank0_state(module, rank0, what)
+BROADCAST = Case(observe_broadcast, judge_broadcast)
 
 
 def check_broadcast_parameters_two_ranks(broadcast_parameters) -> None:
-    run_student(broadcast_case, 2, broadcast_parameters)
+    run_student(BROADCAST, 2, broadcast_parameters)
 
 
 def check_broadcast_parameters_buffers_and_frozen(broadcast_parameters) -> None:
     """BatchNorm's running statistics and int64 counter, a frozen bias, a tied weight; 3 ranks."""
     for variant in ("batchnorm", "frozen", "tied"):
-        run_student(broadcast_case, 3, broadcast_parameters, variant)
+        run_student(BROADCAST, 3, broadcast_parameters, variant)
 
 
 # --- BucketedDDP ------------------------------------------------------------------------------
@@ -164,27 +261,24 @@ def global_batch(world_size: int, dtype: torch.dtype, seed: int):
     return x, y
 
 
-def bucketed_training_case(rank, world_size, BucketedDDP, bucket_cap_mb, variant="plain",
-                           dtype_name="float32", seed=0, steps=3, check_overlap=False):
-    """Train ``steps`` SGD steps with the student's wrapper; after every step compare the call
-    count, the bucket sizes, the gradients and (at the end) the weights with one process."""
+def observe_bucketed_training(rank, world_size, BucketedDDP, bucket_cap_mb, variant="plain",
+                              dtype_name="float32", seed=0, steps=3, check_overlap=False):
+    """Train ``steps`` SGD steps with the student's wrapper and record, right after construction,
+    after every step and at the end, what the judge compares with one process."""
     dtype = DTYPES[dtype_name]
-    what = f"{world_size} ranks, bucket_cap_mb={bucket_cap_mb:g}, {variant} model, {dtype_name}"
     model = make_net(variant, dtype, rank_seed(seed, rank))
-    single = make_net(variant, dtype, rank_seed(seed, 0))
     with CommAudit() as construction:
         wrapped = BucketedDDP(model, bucket_cap_mb)
-    agree_on(expect_construction, wrapped, construction.record, model, single, what)
-    plan = BucketPlan(model, bucket_cap_mb)
+    observation = {"is_module": isinstance(wrapped, nn.Module),
+                   "construction_collectives": list(construction.record.collectives),
+                   "state": copy_of(state_of(model)), "steps": [], "weights": {}}
+    if not observation["is_module"]:
+        return observation  # nothing to train: the judge says why
 
     x_all, y_all = global_batch(world_size, dtype, seed)
     share = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    single_optimizer = torch.optim.SGD(single.parameters(), lr=LR)
-    for step in range(steps):
-        single_optimizer.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(single(x_all), y_all).backward()
-
+    for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         x = x_all[share].clone().requires_grad_(True)
         with CommAudit() as audit:
@@ -194,14 +288,18 @@ def bucketed_training_case(rank, world_size, BucketedDDP, bucket_cap_mb, variant
             nn.functional.mse_loss(wrapped(x), y_all[share]).backward()
             launched_in_backward = len(audit.record.calls_of("allreduce_"))
             result = wrapped.finish_gradient_synchronization()
-        observed = StepRecord(result, audit.record, launched_at_input[:1],
-                              launched_in_backward)
-        agree_on(expect_step, plan, observed, model, single, check_overlap,
-                 f"{what}, step {step + 1}")
+        observation["steps"].append({
+            "returned": type_name(result),
+            "allreduce_bytes": audit.record.calls_of("allreduce_"),
+            "other_collectives": sorted(set(audit.record.collectives) - {"allreduce_"}),
+            "launched_at_input": launched_at_input[:1],
+            "launched_in_backward": launched_in_backward,
+            "grads": {name: None if p.grad is None else p.grad.detach().clone()
+                      for name, p in model.named_parameters()},
+        })
         optimizer.step()
-        single_optimizer.step()
-    agree_on(expect_same_weights, model, single, f"{what}: after {steps} steps")
-    return len(plan.with_grad)
+    observation["weights"] = copy_of(dict(model.named_parameters()))
+    return observation
 
 
 class BucketPlan:
@@ -220,77 +318,123 @@ class BucketPlan:
         self.early = sum(1 for b in self.with_grad if not late & set(b))
 
 
-class StepRecord:
-    def __init__(self, result, record, launched_at_input, launched_in_backward):
-        self.result, self.record = result, record
-        self.launched_at_input = launched_at_input
-        self.launched_in_backward = launched_in_backward
+@dataclass
+class OneProcess:
+    """The reference: rank 0's model trained by one process on the whole batch."""
+
+    plan: BucketPlan
+    state: dict[str, torch.Tensor]  # rank 0's parameters and buffers, before training
+    grads: list[dict[str, torch.Tensor | None]]  # every parameter's gradient, step by step
+    weights: dict[str, torch.Tensor]  # after the last step
 
 
-def expect_construction(wrapped, record, model, single, what) -> None:
-    if not isinstance(wrapped, nn.Module):
-        raise CheckFailed(f"{what}: BucketedDDP must be a torch.nn.Module")
-    if not record.collectives:
-        raise CheckFailed(f"{what}: the constructor made no collective call; it must broadcast "
-                          "rank 0's parameters and buffers")
-    expect_rank0_state(model, single, f"{what}, right after BucketedDDP(...)")
+def one_process(world_size: int, bucket_cap_mb: float, variant: str, dtype: torch.dtype,
+                seed: int, steps: int) -> OneProcess:
+    single = reference_net(variant, dtype, seed)
+    plan, state = BucketPlan(single, bucket_cap_mb), copy_of(state_of(single))
+    x_all, y_all = global_batch(world_size, dtype, seed)
+    optimizer = torch.optim.SGD(single.parameters(), lr=LR)
+    grads = []
+    with torch.enable_grad():
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(single(x_all), y_all).backward()
+            grads.append({name: None if p.grad is None else p.grad.detach().clone()
+                          for name, p in single.named_parameters()})
+            optimizer.step()
+    return OneProcess(plan, state, grads, copy_of(dict(single.named_parameters())))
 
 
-def expect_step(plan: BucketPlan, observed: StepRecord, model, single, check_overlap,
-                where) -> None:
-    if observed.result is not None:
+def judge_bucketed_training(observations, world_size, bucket_cap_mb, variant="plain",
+                            dtype_name="float32", seed=0, steps=3, check_overlap=False):
+    dtype = DTYPES[dtype_name]
+    what = f"{world_size} ranks, bucket_cap_mb={bucket_cap_mb:g}, {variant} model, {dtype_name}"
+    reference = one_process(world_size, bucket_cap_mb, variant, dtype, seed, steps)
+    tolerance = TOLERANCES[dtype]
+
+    def judge_rank(rank, observation):
+        if observed(observation, "is_module", bool) is not True:
+            raise CheckFailed(f"{what}: BucketedDDP must be a torch.nn.Module")
+        if not observed(observation, "construction_collectives", list):
+            raise CheckFailed(f"{what}: the constructor made no collective call; it must "
+                              "broadcast rank 0's parameters and buffers")
+        expect_rank0_state(observed(observation, "state", dict), reference.state,
+                           f"{what}, right after BucketedDDP(...)")
+        records = observed(observation, "steps", list)
+        if len(records) != steps:
+            raise CheckFailed(f"{what}: the rank's report has {len(records)} steps, not {steps}")
+        for step, record in enumerate(records):
+            expect_step(reference.plan, record, reference.grads[step], check_overlap,
+                        f"{what}, step {step + 1}", tolerance)
+        expect_same_weights(observed(observation, "weights", dict), reference.weights,
+                            f"{what}: after {steps} steps", tolerance)
+
+    judge_each_rank(observations, judge_rank)
+
+
+BUCKETED_TRAINING = Case(observe_bucketed_training, judge_bucketed_training)
+
+
+def expect_step(plan: BucketPlan, record: Any, expected_grads: dict, check_overlap: bool,
+                where: str, tolerance: tuple[float, float]) -> None:
+    if observed(record, "returned", str) != "None":
         raise CheckFailed(f"{where}: finish_gradient_synchronization() must return None")
-    calls = observed.record.calls_of("allreduce_")
-    others = sorted(set(observed.record.collectives) - {"allreduce_"})
+    calls = reported_ints(observed(record, "allreduce_bytes", list), "all-reduce sizes")
+    others = sorted(map(_text, observed(record, "other_collectives", list)))
     if others:
-        raise CheckFailed(f"{where}: only all-reduces are expected during a step, got {others}")
+        raise CheckFailed(f"{where}: only all-reduces are expected during a step, got "
+                          f"{_text(others)}")
     if len(calls) != len(plan.with_grad):
         raise CheckFailed(f"{where}: expected {len(plan.with_grad)} all-reduce calls (one per "
                           f"bucket: {plan.with_grad}), got {len(calls)}")
     if plan.exact_sizes and sorted(calls) != plan.bucket_bytes:
         raise CheckFailed(f"{where}: all-reduced tensors of {sorted(calls)} bytes; the buckets "
                           f"hold {plan.bucket_bytes} bytes")
-    started = observed.launched_at_input
+    started = reported_ints(observed(record, "launched_at_input", list), "all-reduce counts")
+    in_backward = observed(record, "launched_in_backward", int)
     if check_overlap and plan.early and started and started[0] < plan.early:
         raise CheckFailed(
             f"{where}: when backward reached the input only {started[0]} all-reduce(s) had "
             f"started, but {plan.early} bucket(s) were complete by then: each bucket's all-reduce "
             "must start (async_op=True) as soon as its last gradient is ready, during backward "
-            f"({observed.launched_in_backward} started during backward in all)")
-    rtol, atol = TOLERANCES[next(model.parameters()).dtype]
-    reference = dict(single.named_parameters())
-    for name, p in model.named_parameters():
-        expected = reference[name].grad
+            f"({in_backward} started during backward in all)")
+    rtol, atol = tolerance
+    grads = observed(record, "grads", dict)
+    reported_names(grads, expected_grads, where)
+    for name, expected in expected_grads.items():
+        grad = grads[name]
         if expected is None:
-            if p.grad is not None:
+            if grad is not None:
                 raise CheckFailed(f"{where}: {name!r} got no gradient in this step; its .grad "
                                   "must stay None")
             continue
-        if p.grad is None:
+        if grad is None:
             raise CheckFailed(f"{where}: {name!r}.grad is None after "
                               "finish_gradient_synchronization()")
-        expect_close(p.grad, expected, f"{where}: {name}.grad (mean over ranks = one process on "
-                     "the whole batch)", rtol, atol)
-
-
-def expect_same_weights(model, single, what) -> None:
-    reference = dict(single.named_parameters())
-    for name, p in model.named_parameters():
-        rtol, atol = TOLERANCES[p.dtype]
-        expect_close(p.detach(), reference[name].detach(), f"{what}, {name} (vs one process)",
+        expect_close(reported_tensor(grad, f"{where}: {name}.grad"), expected,
+                     f"{where}: {name}.grad (mean over ranks = one process on the whole batch)",
                      rtol, atol)
 
 
+def expect_same_weights(weights: dict, reference: dict[str, torch.Tensor], what: str,
+                        tolerance: tuple[float, float]) -> None:
+    reported_names(weights, reference, what)
+    rtol, atol = tolerance
+    for name, expected in reference.items():
+        expect_close(reported_tensor(weights[name], f"{what}, {name}"), expected,
+                     f"{what}, {name} (vs one process)", rtol, atol)
+
+
 def check_bucketed_ddp_matches_one_process(BucketedDDP) -> None:
-    run_student(bucketed_training_case, 2, BucketedDDP, 0.001)
+    run_student(BUCKETED_TRAINING, 2, BucketedDDP, 0.001)
 
 
 def check_bucketed_ddp_one_allreduce_per_bucket(BucketedDDP) -> None:
     """Caps giving one parameter per bucket, several per bucket, and one bucket for all."""
     for bucket_cap_mb in (1e-6, 0.0015, 25.0):
-        run_student(bucketed_training_case, 2, BucketedDDP, bucket_cap_mb, "plain", "float32", 1,
-                    2, False)
+        run_student(BUCKETED_TRAINING, 2, BucketedDDP, bucket_cap_mb, "plain", "float32", 1, 2,
+                    False)
 
 
 def check_bucketed_ddp_overlaps_backward(BucketedDDP) -> None:
-    run_student(bucketed_training_case, 2, BucketedDDP, 1e-6, "plain", "float32", 2, 1, True)
+    run_student(BUCKETED_TRAINING, 2, BucketedDDP, 1e-6, "plain", "float32", 2, 1, True)
