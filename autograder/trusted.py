@@ -4,7 +4,8 @@ The notebook's own test cells run in the student's kernel, which the student con
 transformers, patched functions, threads...), so their verdicts are only a courtesy. The grade
 comes from here:
 
-1. the kernel leaves each graded function behind as pickled bytes (``setup_notebook`` does it
+1. the kernel runs the student's cells, but its test cells are stand-ins (:func:`stand_in_test_cells`),
+   and it leaves each graded function behind as pickled bytes (``setup_notebook`` does it
    after every cell when the worker asks); this process never unpickles them;
 2. :class:`ObservationHost` starts ``ddpcourse.grading.observation_host`` in the submission's
    sandbox: it runs a case's ``observe`` in fresh ranks with the student's function and sends back
@@ -266,8 +267,7 @@ def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
 
 # --- what the worker does with them ----------------------------------------------------------------
 
-HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
-HIDDEN_STAND_IN = 'print("hidden tests: graded outside this notebook, see the grader\'s note")'
+STAND_IN = 'print("graded outside this notebook: the grader\'s verdict is above")'
 GRADER_NOTE = "[grader] "
 
 
@@ -278,21 +278,18 @@ def graded_here(slug: str) -> bool:
     return getattr(module, "TRUSTED_VERDICTS", False) is True
 
 
-def strip_hidden_tests(notebook_path: Path) -> None:
-    """Replace every hidden-test block of a source notebook by a stand-in line, so the hidden
-    checks are never sent to the student's kernel (they run here instead)."""
+def stand_in_test_cells(notebook_path: Path) -> None:
+    """Keep only the leading comments of every test cell of a source notebook, then a stand-in
+    line: the checks run here, so neither they nor the hidden ones are sent to the student's
+    kernel, where their verdict could not be trusted anyway."""
     notebook = nbformat.read(notebook_path, as_version=4)
     for cell in notebook.cells:
-        lines, kept, hidden = cell.source.splitlines(), [], False
-        for line in lines:
-            if line.strip() == HIDDEN_BEGIN:
-                hidden = True
-                kept.append(HIDDEN_STAND_IN)
-            elif line.strip() == HIDDEN_END:
-                hidden = False
-            elif not hidden:
-                kept.append(line)
-        cell.source = "\n".join(kept)
+        if cell.cell_type != "code" or not cell.metadata.get("nbgrader", {}).get("grade"):
+            continue
+        lines = cell.source.splitlines()
+        comments = next((lines[:i] for i, line in enumerate(lines)
+                         if not line.startswith("#")), lines)
+        cell.source = "\n".join([*comments, STAND_IN])
     nbformat.write(notebook, notebook_path)
 
 
@@ -312,8 +309,7 @@ def record_verdicts(gradebook_url: str, assignment: str, slug: str, student: str
 
 
 def annotate(notebook_path: Path, verdicts: Sequence[CellVerdict]) -> None:
-    """Open each graded cell's output with the grader's verdict, and label the kernel's own
-    output below it as the notebook's run (shown, not graded)."""
+    """Open each graded cell's output with the grader's verdict."""
     by_id = {verdict.grade_id: verdict for verdict in verdicts}
     notebook = nbformat.read(notebook_path, as_version=4)
     for cell in notebook.cells:
@@ -325,7 +321,5 @@ def annotate(notebook_path: Path, verdicts: Sequence[CellVerdict]) -> None:
                    f"{verdict.message}")
         note = (f"{GRADER_NOTE}Graded outside your notebook, by the grader's own run of your "
                 f"functions: {outcome}\n")
-        if cell.outputs:
-            note += "[grader] Below: what this cell printed in your notebook (not graded).\n"
         cell.outputs.insert(0, nbformat.v4.new_output("stream", name="stdout", text=note))
     nbformat.write(notebook, notebook_path)

@@ -142,15 +142,11 @@ def _cell_report(nb, index: int, what: str) -> str:
 MAX_FUNCTION_BYTES = 16 << 20
 
 
-def _grade_outside(cells, functions_dir: Path, log_path: Path,
-                   box: sandbox.Sandbox | None) -> list:
-    """The trusted verdicts of one notebook's graded cells (see autograder/trusted.py)."""
-    payloads = {path.stem: path.read_bytes() for path in sorted(functions_dir.glob("*.pickle"))
-                if path.is_file() and not path.is_symlink()
-                and path.stat().st_size <= MAX_FUNCTION_BYTES}
-    wrap = box.command if box is not None else list
-    with trusted.ObservationHost(wrap=wrap, log_path=log_path) as host:
-        return trusted.grade_cells(cells, payloads, host)
+def _graded_functions(folder: Path) -> dict[str, bytes]:
+    """The functions the student's kernel left behind, as bytes (never loaded here)."""
+    return {path.stem: path.read_bytes() for path in sorted(folder.glob("*.pickle"))
+            if path.is_file() and not path.is_symlink()
+            and path.stat().st_size <= MAX_FUNCTION_BYTES}
 
 
 def grade_one(job: dict) -> dict:
@@ -188,7 +184,7 @@ def grade_one(job: dict) -> dict:
     graded_outside = {nb.stem: trusted.graded_cells(REPO / "solutions" / assignment / nb.name)
                       for nb in sorted(source.glob("*.ipynb")) if trusted.graded_here(nb.stem)}
     for slug in graded_outside:
-        trusted.strip_hidden_tests(source / f"{slug}.ipynb")
+        trusted.stand_in_test_cells(source / f"{slug}.ipynb")
     os.environ[GRADED_FUNCTIONS_DIR] = str(functions_dir)
     os.environ[GRADED_FUNCTIONS] = ",".join(
         sorted({name for cells in graded_outside.values() for name in trusted.graded_names(cells)}))
@@ -199,15 +195,16 @@ def grade_one(job: dict) -> dict:
     if moved:
         notes.append(f"the setup cell had been moved; it was put back first in {moved}")
     feedback_dir = work / "feedback" / student / assignment
-    for slug, cells in graded_outside.items():
-        notebook = autograded / f"{slug}.ipynb"
-        if notebook.exists():
-            verdicts = _grade_outside(cells, functions_dir / slug, work / f"{slug}.host.log",
-                                      host_box)
-            trusted.record_verdicts(config.CourseDirectory.db_url, assignment, slug, student,
-                                    verdicts)
-            trusted.annotate(notebook, verdicts)
-            notes.append(f"{slug}: scores computed outside the notebook")
+    with trusted.ObservationHost(wrap=host_box.command if host_box else list,
+                                 log_path=work / "host.log") as host:
+        for slug, cells in graded_outside.items():
+            notebook = autograded / f"{slug}.ipynb"
+            if notebook.exists():
+                verdicts = trusted.grade_cells(cells, _graded_functions(functions_dir / slug), host)
+                trusted.record_verdicts(config.CourseDirectory.db_url, assignment, slug, student,
+                                        verdicts)
+                trusted.annotate(notebook, verdicts)
+                notes.append(f"{slug}: scores computed outside the notebook")
     if autograded.exists() and any(autograded.glob("*.ipynb")):
         check(api.generate_feedback(assignment, student, force=True), "generate_feedback")
     else:

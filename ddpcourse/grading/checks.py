@@ -190,12 +190,10 @@ def _in_rank(rank: int, world_size: int, rank_check, payload: bytes, args: tuple
 
 def explain(err: RankError, hide_internals: bool, timeout: float) -> str:
     """What each failed rank did, for the student; ``timeout`` is the deadline the ranks had."""
-    lines = []
-    for failure in err.failures:
-        if failure.kind == "stopped":
-            continue
-        lines.append(_explain_one(failure, hide_internals, timeout))
-    return "\n".join(lines)
+    lines = [_explain_one(failure, hide_internals, timeout) for failure in err.failures
+             if failure.kind != "stopped"]
+    # every rank "stopped": the launcher ended them all (its deadline for the whole call)
+    return "\n".join(lines) or "\n".join(failure.headline() for failure in err.failures)
 
 
 def _explain_one(failure: RankFailure, hide_internals: bool, timeout: float) -> str:

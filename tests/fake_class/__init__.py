@@ -15,6 +15,7 @@ from pathlib import Path
 import nbformat
 
 from autograder.sources import solution_code
+from fake_class.hostile import hostile_class
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = ROOT / "exercises/05_allreduce/allreduce_by_hand.ipynb"
@@ -148,6 +149,11 @@ EXPECTED = {
     "trent": (0, "flagged for tampering"),
     "oscar": (11, "graded"),  # 13 of part 2 but the 2 points of the overlap test
 }
+
+
+HOSTILE, HOSTILE_EXPECTED = hostile_class(build, CORRECT, RING)
+SUBMISSIONS.update(HOSTILE)
+EXPECTED.update(HOSTILE_EXPECTED)
 
 
 def write_class(root: Path, students=None) -> Path:
