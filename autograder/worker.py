@@ -74,12 +74,17 @@ def _export(config, assignment: str, student: str, dest: Path) -> None:
 
 
 def _sandboxes(work: Path, autograded: Path, kernel_dir: Path, functions_dir: Path,
-               host_dir: Path) -> tuple[sandbox.Sandbox, sandbox.Sandbox]:
+               host_dir: Path, kernel_runs_hidden_checks: bool
+               ) -> tuple[sandbox.Sandbox, sandbox.Sandbox]:
     """The student's kernel may write its own notebook folder, its sockets and the functions it
     leaves behind; the ranks' host only its own folder. Both see neither the grader-only folders
-    (solutions, hidden checks, the repository's history) nor any student's work but their own."""
-    hidden = (REPO / "solutions", REPO / "autograder" / "hidden", REPO / ".git",
-              work.parent.parent)
+    (solutions, hidden checks, the repository's history) nor any student's work but their own.
+
+    An exercise not yet graded outside the kernel runs its hidden checks in the kernel, which
+    must then import them: for its assignment the hidden checks stay visible (and the CSV says so).
+    """
+    hidden = (REPO / "solutions", REPO / ".git", work.parent.parent,
+              *(() if kernel_runs_hidden_checks else (REPO / "autograder" / "hidden",)))
     environment = {"IPYTHONDIR": str(kernel_dir / "ipython"), "MPLCONFIGDIR": str(kernel_dir),
                    # the kernel's parent is the sandbox's init (pid 1), not the grader: no parent
                    # polling (the sandbox dies with the grader anyway)
@@ -170,8 +175,9 @@ def grade_one(job: dict) -> dict:
     for folder in (kernel_dir, functions_dir, host_dir, autograded):
         folder.mkdir(parents=True, exist_ok=True)
     # nbgrader deletes and remakes the student's autograded folder: bind its parent, which stays.
+    in_kernel = sorted(nb.stem for nb in source.glob("*.ipynb") if not trusted.graded_here(nb.stem))
     kernel_box, host_box = (_sandboxes(work, autograded.parent.parent, kernel_dir, functions_dir,
-                                       host_dir)
+                                       host_dir, bool(in_kernel))
                             if use_sandbox else (None, None))
     config.KernelManager.ip = str(kernel_dir / "ipc")
     config.merge(_sandboxed_kernel_config(kernel_box, kernel_dir))
@@ -192,6 +198,9 @@ def grade_one(job: dict) -> dict:
     check(api.generate_assignment(assignment, force=True, create=True), "generate_assignment")
     autograde = api.autograde(assignment, student, force=True, create=True)
     status, notes = "graded", [sandbox_warning] if sandbox_warning else []
+    if in_kernel:
+        notes.append(f"{', '.join(in_kernel)}: scores from the student's kernel (its hidden checks "
+                     "were readable there)")
     if moved:
         notes.append(f"the setup cell had been moved; it was put back first in {moved}")
     feedback_dir = work / "feedback" / student / assignment
