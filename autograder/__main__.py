@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from autograder.sandbox import POLICIES, SandboxUnavailable, resolve
+from autograder import sandbox
 from autograder.sources import assignments
 
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds per notebook cell (default: nbgrader_config.py's)")
     grade.add_argument("--student-timeout", type=int, default=1800,
                        help="hard limit in seconds for one submission, everything included")
-    grade.add_argument("--sandbox", choices=POLICIES, default="require",
+    grade.add_argument("--sandbox", choices=sandbox.POLICIES, default="require",
                        help="run each submission's kernel and ranks in a bubblewrap sandbox: "
                             "'require' (default) refuses to grade where it cannot; 'warn' grades "
                             "unsandboxed and says so in every feedback page and CSV row; 'off' "
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from autograder.worker import SANDBOX_POLICY
 
     try:
-        resolve(opts.sandbox)
-    except SandboxUnavailable as refused:
+        sandbox.resolve(opts.sandbox, sandbox.bwrap_problem)
+    except sandbox.SandboxUnavailable as refused:
         print(refused, file=sys.stderr)
         return 2
     os.environ[SANDBOX_POLICY] = opts.sandbox  # the workers inherit it

@@ -147,6 +147,13 @@ def _cell_report(nb, index: int, what: str) -> str:
 MAX_FUNCTION_BYTES = 16 << 20
 
 
+def _open_with_warning(notebook: Path, warning: str) -> None:
+    """Put ``warning`` first in a graded notebook, so its feedback page opens with it."""
+    nb = nbformat.read(notebook, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_markdown_cell(f"**{warning}**"))
+    nbformat.write(nb, notebook)
+
+
 def _graded_functions(folder: Path) -> dict[str, bytes]:
     """The functions the student's kernel left behind, as bytes (never loaded here)."""
     return {path.stem: path.read_bytes() for path in sorted(folder.glob("*.pickle"))
@@ -214,6 +221,9 @@ def grade_one(job: dict) -> dict:
                                         verdicts)
                 trusted.annotate(notebook, verdicts)
                 notes.append(f"{slug}: scores computed outside the notebook")
+    if sandbox_warning:
+        for notebook in sorted(autograded.glob("*.ipynb")):
+            _open_with_warning(notebook, sandbox_warning)
     if autograded.exists() and any(autograded.glob("*.ipynb")):
         check(api.generate_feedback(assignment, student, force=True), "generate_feedback")
     else:

@@ -29,3 +29,15 @@ def test_grade_lists_the_assignments_when_given_one_that_does_not_exist(tmp_path
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "99_nowhere" in err and all(name in err for name in assignments())
+
+
+def test_grade_refuses_to_run_unsandboxed_unless_told(tmp_path, capsys, monkeypatch):
+    from autograder import sandbox
+
+    monkeypatch.setattr(sandbox, "bwrap_problem", lambda: "bubblewrap is not installed.")
+    code = main(["grade", str(tmp_path), "--assignment", "05_allreduce", "--out",
+                 str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Refusing to grade" in err and "bubblewrap is not installed" in err
+    assert not (tmp_path / "out").exists()  # nothing graded, nothing written
