@@ -1,21 +1,31 @@
 """The checks of exercise ddp_same_as_one_process (chapter 01: train_with_ddp) catch plausible
-wrong training loops, pass a right one, and rest on facts about DDP measured here.
-The exercise: solutions/01_why_ddp/ddp_same_as_one_process.nb.py."""
+wrong training loops, pass a right one, and rest on facts about DDP measured here; in the
+student's kernel and judged by the trusted grader (autograder/trusted.py), where only the ranks'
+observations come back. The exercise: solutions/01_why_ddp/ddp_same_as_one_process.nb.py."""
 
 from __future__ import annotations
 
+import copy
+import sys
+
+import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from autograder import trusted
 from autograder.hidden import ddp_same_as_one_process as hidden
+from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import ddp_same_as_one_process as checks
-from ddpcourse.launcher import run_ranks
+from ddpcourse.launcher import pickle_by_value, run_ranks
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
+# This module's functions travel to the ranks by value, as a notebook's do: a rank never imports
+# this module (and, through it, the grader's heavy imports).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 # --- train_with_ddp ---------------------------------------------------------------------------
@@ -110,7 +120,7 @@ def test_a_right_training_loop_passes_every_check():
 def test_the_ddp_checks_catch_wrong_training_loops(wrong, check, message):
     by_name = {"matches": checks.check_train_with_ddp_matches_one_process,
                "shares": checks.check_train_with_ddp_shares_the_batch,
-               "not_divisible": lambda fn: run_student(checks.not_divisible_case, 2, fn, 7)}
+               "not_divisible": lambda fn: run_student(checks.UNEVEN_BATCH, 2, fn, 7)}
     assert (2, 7) in hidden.NOT_DIVISIBLE
     if wrong is train_every_rank_on_everything:  # right weights, at N times the work
         checks.check_train_with_ddp_matches_one_process(wrong)
@@ -135,3 +145,135 @@ def test_ddp_wraps_the_module_itself_and_copies_rank_0s_state_frozen_and_buffers
     0's parameters (frozen ones too) and buffers."""
     for is_same_module, first_key, equal_everywhere in run_ranks(ddp_facts, 2):
         assert is_same_module and first_key.startswith("module.") and equal_everywhere
+
+
+def train_with_summed_loss_and_rebound_checks(model, x, y, steps, lr):
+    """Attack: the summed loss, and the comparisons rebound inside the rank (where the old checks
+    judged): the judge runs elsewhere, so nothing changes."""
+    import ddpcourse.grading.checks as grading
+    import ddpcourse.grading.exercises.ddp_same_as_one_process as case
+    grading.CheckFailed = case.CheckFailed = type("Silenced", (Exception,), {})
+    torch.allclose = lambda *args, **kwargs: True
+    torch.equal = lambda *args, **kwargs: True
+    return train_with_summed_loss(model, x, y, steps, lr)
+
+
+def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
+    with pytest.raises(CheckFailed, match="not what one process gets") as failed:
+        checks.check_train_with_ddp_matches_one_process(train_with_summed_loss_and_rebound_checks)
+    assert "rank 0:" in str(failed.value) and "rank 1:" in str(failed.value)
+
+
+# --- judged by the trusted grader: the ranks run in autograder's observation host ------------
+
+SOURCE = SOLUTIONS / "01_why_ddp" / "ddp_same_as_one_process.ipynb"
+
+
+def the_solution():
+    """``train_with_ddp`` as the source notebook's solution cell defines it."""
+    namespace = {"torch": torch, "dist": dist, "nn": nn, "DDP": DDP}
+    exec(compile(solution_code(SOURCE, "train-with-ddp"), "<student notebook>", "exec"),
+         namespace)
+    return namespace["train_with_ddp"]
+
+
+@pytest.fixture(scope="module")
+def host():
+    with trusted.ObservationHost() as host:
+        yield host
+
+
+def submitted(fn, host):
+    """``fn`` as the kernel leaves it: pickled by value (see the top of this module)."""
+    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
+
+
+def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
+    fn = submitted(the_solution(), host)
+    checks.check_train_with_ddp_matches_one_process(fn)
+    checks.check_train_with_ddp_shares_the_batch(fn)
+    hidden.check_train_with_ddp(fn)
+
+
+@pytest.mark.parametrize("wrong, check, message", [
+    (train_with_summed_loss_and_rebound_checks, checks.check_train_with_ddp_matches_one_process,
+     "not what one process gets"),
+    (train_without_ddp, checks.check_train_with_ddp_matches_one_process,
+     "differs between rank 0 and rank 1"),
+    (train_and_return_the_wrapper, checks.check_train_with_ddp_matches_one_process,
+     "returned the DistributedDataParallel wrapper"),
+    (train_every_rank_on_everything, checks.check_train_with_ddp_shares_the_batch,
+     "every rank trained on the whole batch"),
+    (train_with_uneven_shares, hidden.check_train_with_ddp, "expected ValueError"),
+], ids=lambda v: getattr(v, "__name__", "")[:40])
+def test_the_trusted_grader_catches(host, wrong, check, message):
+    with pytest.raises(CheckFailed, match=message) as failed:
+        check(submitted(wrong, host))
+    assert str(failed.value).startswith("rank ")  # each failed rank is named
+
+
+# --- the judges read the ranks' reports as untrusted data ----------------------------------
+
+
+def honest_report(world_size, rank, rows=8, steps=5, lr=0.1, seed=0):
+    x, _start, reference = checks.reference_run("tiny", rows, steps, lr, seed)
+    k = rows // world_size
+    return {"returned": checks.RETURNED_MODEL, "returned_module": True, "forward_calls": steps,
+            "inputs": [x[rank * k:(rank + 1) * k].clone() for _ in range(steps)],
+            "state": {name: t.clone() for name, t in reference.items()}}
+
+
+def altered(report, path, value):
+    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
+    an empty path replaces the whole report."""
+    if not path:
+        return value
+    report = copy.deepcopy(report)
+    inner = report
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return report
+
+
+TRAINING_DAMAGE = [
+    ((), None), ((), {}), ((), [1, 2]), (("returned",), 3), (("returned",), "Module"),
+    (("returned",), "x" * 1_000_000), (("returned_module",), "yes"),
+    (("forward_calls",), "5"), (("forward_calls",), 6), (("inputs",), "x"), (("inputs",), []),
+    (("inputs", 0), "a string"), (("inputs", 0), torch.zeros(4, 3)),
+    (("inputs", 0), torch.zeros(())),
+    (("inputs", 0), torch.zeros(100_000, 8)), (("inputs", 0), torch.zeros(4, 8).to_sparse()),
+    (("inputs", 0), torch.zeros(4, 8, dtype=torch.complex64)), (("state",), []),
+    (("state",), {"x" * 100_000: 1}), (("state", "net.0.weight"), "nan"),
+    (("state", "net.0.weight"), torch.zeros(3, dtype=torch.int64)),
+    (("state", "net.0.bias"), None),
+]
+UNEVEN_DAMAGE = [((), None), ((), {}), (("raised",), 3), (("raised",), None),
+                 (("value_error",), "yes"), (("value_error",), False),
+                 (("message",), None)]
+
+
+def test_honest_reports_pass_the_judges():
+    checks.judge_ddp([honest_report(2, rank) for rank in range(2)], 2)
+    ok = {"raised": "ValueError", "value_error": True, "message": "no split"}
+    checks.judge_not_divisible([ok, ok], 2, 7)
+
+
+@pytest.mark.parametrize("case, path, value",
+                         [("training", *damage) for damage in TRAINING_DAMAGE]
+                         + [("uneven", *damage) for damage in UNEVEN_DAMAGE],
+                         ids=lambda v: repr(v)[:40])
+def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge(case, path, value):
+    """Rank 1's report is damaged (what a hostile rank may send): the verdict names rank 1 only,
+    in a message of bounded size."""
+    if case == "training":
+        reports = [honest_report(2, rank) for rank in range(2)]
+        judge, args = checks.judge_ddp, ()
+    else:
+        ok = {"raised": "ValueError", "value_error": True, "message": "no split"}
+        reports, judge, args = [ok, ok], checks.judge_not_divisible, (7,)
+    reports[1] = altered(reports[1], path, value)
+    with pytest.raises(CheckFailed) as failed:
+        judge(reports, 2, *args)
+    message = str(failed.value)
+    assert message.startswith("rank 1:") and "rank 0:" not in message and len(message) < 5000

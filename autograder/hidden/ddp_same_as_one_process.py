@@ -3,7 +3,7 @@ step count, and a model with a frozen layer and a buffer."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.exercises.ddp_same_as_one_process import ddp_case, not_divisible_case
+from ddpcourse.grading.exercises.ddp_same_as_one_process import DDP_TRAINING, UNEVEN_BATCH
 from ddpcourse.grading.checks import run_student
 
 CASES = [  # world_size, model, rows, steps, lr, seed
@@ -24,6 +24,6 @@ def _hidden(case, world_size, fn, *args):
 def check_train_with_ddp(train_with_ddp) -> None:
     __tracebackhide__ = True  # noqa: F841
     for world_size, kind, rows, steps, lr, seed in CASES:
-        _hidden(ddp_case, world_size, train_with_ddp, kind, rows, steps, lr, seed)
+        _hidden(DDP_TRAINING, world_size, train_with_ddp, kind, rows, steps, lr, seed)
     for world_size, rows in NOT_DIVISIBLE:
-        _hidden(not_divisible_case, world_size, train_with_ddp, rows)
+        _hidden(UNEVEN_BATCH, world_size, train_with_ddp, rows)
