@@ -1,12 +1,17 @@
 """The checks of exercise sampler_by_hand (chapter 06: shard_indices, DistributedSampler by hand)
-pass right solutions, catch plausible wrong ones, and rest on facts about the sampler measured
-here. The exercise: solutions/06_data_loading/sampler_by_hand.nb.py."""
+pass right solutions, catch plausible wrong ones (in the student's kernel and judged by the trusted
+grader, autograder/trusted.py, where only the ranks' observations come back), read the ranks'
+reports as untrusted data, and rest on facts about the sampler measured here. The exercise:
+solutions/06_data_loading/sampler_by_hand.nb.py."""
 
 from __future__ import annotations
 
+import copy
 import math
 import random
+import sys
 
+import cloudpickle
 import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
@@ -14,6 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 from autograder.hidden import sampler_by_hand as hidden
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import sampler_by_hand as checks
+from ddpcourse.launcher import pickle_by_value
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 
@@ -189,3 +195,147 @@ def test_the_sampler_behaves_as_the_task_says():
     for args in [(10, 0, 0), (10, -2, 0), (10, 2, 2), (10, 2, -1)]:
         with pytest.raises(ValueError):
             checks.reference_indices(*args)
+
+
+# --- judged by the trusted grader: the ranks run in autograder's observation host ------------
+
+
+@pytest.fixture(scope="module")
+def host():
+    # imported here, not above: the ranks of the tests above import this module to rebuild its
+    # functions, and autograder.trusted (nbformat, jsonschema) would cost each rank seconds
+    from autograder import trusted
+
+    with trusted.ObservationHost() as host:
+        yield host
+
+
+def submitted(fn, host):
+    """``fn`` as the kernel leaves it: pickled by value (a notebook's functions live in
+    ``__main__``; this module's cannot be imported by the host)."""
+    from autograder import trusted
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
+
+
+def pads_with_zeros_and_rebinds_the_checks(dataset_len, num_replicas, rank, **kwargs):
+    """Wrong padding, and every comparison of the check module rebound in its rank."""
+    import ddpcourse.grading.checks as grading
+    import ddpcourse.grading.exercises.sampler_by_hand as case
+
+    case._judge_result = case._judge_shards = case._judge_hook = lambda *args, **kw: None
+    case.reference_indices = lambda *args, **kw: [0]
+    grading.judge_each_rank = case.judge_each_rank = lambda *args, **kw: None
+    return make(pad="zeros")(dataset_len, num_replicas, rank, **kwargs)
+
+
+def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
+    right = submitted(make(), host)
+    checks.check_shard_indices_without_shuffle(right)
+    checks.check_shard_indices_shuffled(right)
+    checks.check_shard_indices_drop_last_and_bad_ranks(right)
+    hidden.check_shard_indices(right)
+
+
+@pytest.mark.parametrize("wrong, check, message", [
+    (make(pad="zeros"), checks.check_shard_indices_without_shuffle,
+     r"shard_indices\(10, 3, 2, shuffle=False\): expected \[2, 5, 8, 1\], got \[2, 5, 8, 0\]"),
+    (pads_with_zeros_and_rebinds_the_checks, checks.check_shard_indices_without_shuffle,
+     r"shard_indices\(10, 3, 2, shuffle=False\): expected \[2, 5, 8, 1\], got \[2, 5, 8, 0\]"),
+    (uses_the_sampler, checks.check_shard_indices_shuffled,
+     r"ran code of torch/utils/data/distributed.py.*__init__"),
+    (switches_the_hook_off, checks.check_shard_indices_drop_last_and_bad_ranks,
+     "changed the profiler hook"),
+    (make(validate=False), checks.check_shard_indices_drop_last_and_bad_ranks,
+     r"\(rank == num_replicas\): expected ValueError"),
+    (pads_once, hidden.check_shard_indices,
+     r"\(1, 4, rank\) on every rank: the ranks got different numbers of indices \[1, 1, 0, 0\]"),
+    (no_error_for_zero_replicas, hidden.check_shard_indices,
+     r"\(num_replicas 0\): expected ValueError"),
+], ids=lambda v: getattr(v, "__name__", "")[:40])
+def test_the_trusted_grader_catches(host, wrong, check, message):
+    with pytest.raises(CheckFailed, match=message):
+        check(submitted(wrong, host))
+
+
+# --- the judges read the ranks' reports as untrusted data ----------------------------------
+
+REPORT_CASES = [(11, {"shuffle": False}), (10, {"epoch": 1})]
+
+
+def honest_reports(world_size=2):
+    return [checks.observe_shards(rank, world_size, make(), REPORT_CASES)
+            for rank in range(world_size)]
+
+
+def honest_error_reports():
+    return [checks.observe_errors(0, 1, make(), checks.BAD_RANKS)] * 2
+
+
+def altered(report, path, value):
+    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
+    an empty path replaces the whole report."""
+    if not path:
+        return value
+    report = copy.deepcopy(report)
+    inner = report
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return report
+
+
+DAMAGE = [
+    ((), None), ((), []), ((), {"calls": "many"}), (("calls",), []), (("calls",), [None, None]),
+    (("calls", 0), "x"), (("calls", 0), {}), (("calls", 0, "forbidden_calls"), "x"),
+    (("calls", 0, "forbidden_calls"), ["x" * 1_000_000] * 1000),
+    (("calls", 0, "forbidden_calls"), [torch.zeros(3), None]),
+    (("calls", 0, "hook_removed"), 1), (("calls", 0, "hook_removed"), True),
+    (("calls", 0, "indices"), "0, 2, 4"), (("calls", 0, "indices"), [0.0, 2.0]),
+    (("calls", 0, "indices"), [True, False]), (("calls", 0, "indices"), torch.arange(6)),
+    (("calls", 1, "indices"), [None]), (("calls", 1, "raised"), "ValueError"),
+    (("calls", 1, "raised"), {"raised": 3, "message": "m"}),
+    (("calls", 1, "raised"), {"raised": "E" * 1_000_000, "message": "m" * 1_000_000}),
+    (("calls", 1, "indices"), None),
+    (("calls", 1), {"forbidden_calls": [], "hook_removed": False, "indices": None, "type": None,
+                    "text": "", "raised": None}),
+]
+ERROR_DAMAGE = [
+    ((), None), (("calls",), [{}]), (("calls", 0, "raised"), None),
+    (("calls", 0, "raised"), {"raised": "ValueError"}), (("calls", 0, "value_error"), "yes"),
+    (("calls", 0, "value_error"), False),
+    (("calls", 0), {"forbidden_calls": [], "hook_removed": False, "raised": None, "repr": None}),
+    (("calls", 1, "forbidden_calls"), ["torch.utils.data.distributed.__init__"]),
+]
+
+
+def test_honest_reports_pass_the_judges():
+    checks.judge_shards(honest_reports(), 2, REPORT_CASES)
+    checks.judge_errors(honest_error_reports(), 2, checks.BAD_RANKS)
+
+
+@pytest.mark.parametrize("case, path, value",
+                         [("shards", *damage) for damage in DAMAGE]
+                         + [("errors", *damage) for damage in ERROR_DAMAGE],
+                         ids=lambda v: repr(v)[:40])
+def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge(case, path, value):
+    """Rank 1's report is damaged (what a hostile rank may send): the verdict names rank 1 only,
+    in a message of bounded size."""
+    if case == "shards":
+        honest, judge, args = honest_reports(), checks.judge_shards, (REPORT_CASES,)
+    else:
+        honest, judge, args = honest_error_reports(), checks.judge_errors, (checks.BAD_RANKS,)
+    with pytest.raises(CheckFailed) as failed:
+        judge([honest[0], altered(honest[1], path, value)], 2, *args)
+    message = str(failed.value)
+    assert message.startswith("rank 1:") and "rank 0:" not in message and len(message) < 5000
+
+
+def test_a_wrong_list_from_one_rank_is_judged_with_every_rank_and_bounded():
+    """A valid but wrong (and huge) list: the ranks no longer agree on lengths, said of all."""
+    honest = honest_reports()
+    damaged = altered(honest[1], ("calls", 0, "indices"), list(range(1_000_000)))
+    with pytest.raises(CheckFailed, match=r"different numbers of indices \[6, 1000000\]") as failed:
+        checks.judge_shards([honest[0], damaged], 2, REPORT_CASES)
+    assert len(str(failed.value)) < 5000

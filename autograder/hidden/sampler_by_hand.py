@@ -1,10 +1,11 @@
 """Hidden checks for chapter 06: 1 and 4 ranks, datasets smaller than the world (len 2, 1, 0),
 other seeds, a large epoch, drop_last with fewer samples than ranks, and more bad arguments.
-Every call runs under the hook that forbids DistributedSampler itself."""
+Every call runs under the hook that forbids DistributedSampler itself. Every check runs the visible
+module's Cases (the situations are passed as data), so it runs only in the trusted grader."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.exercises.sampler_by_hand import errors_case, shard_case
+from ddpcourse.grading.exercises.sampler_by_hand import BAD_ARGUMENTS, SHARDS
 from ddpcourse.grading.checks import run_student
 
 ONE_RANK = [(7, {}), (7, {"shuffle": False}), (7, {"drop_last": True, "epoch": 3}), (0, {})]
@@ -33,7 +34,7 @@ def _hidden(case, world_size, fn, *args, **kwargs):
 
 def check_shard_indices(shard_indices) -> None:
     __tracebackhide__ = True  # noqa: F841
-    _hidden(shard_case, 1, shard_indices, ONE_RANK)
-    _hidden(shard_case, 4, shard_indices, FOUR_RANKS)
-    _hidden(shard_case, 3, shard_indices, THREE_RANKS)
-    _hidden(errors_case, 1, shard_indices, ERRORS, init_process_group=False)
+    _hidden(SHARDS, 1, shard_indices, ONE_RANK)
+    _hidden(SHARDS, 4, shard_indices, FOUR_RANKS)
+    _hidden(SHARDS, 3, shard_indices, THREE_RANKS)
+    _hidden(BAD_ARGUMENTS, 1, shard_indices, ERRORS, init_process_group=False)

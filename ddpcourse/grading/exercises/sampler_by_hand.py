@@ -6,20 +6,29 @@ exercises/06_data_loading/sampler_by_hand.ipynb). Written by hand: the call runs
 hook (:mod:`ddpcourse.grading.forbidden`) watching ``torch/utils/data/distributed.py``, so no
 function of that file may run during it.
 
-Each case runs in every rank of a real group with that rank's own rank; the reference is the
-sampler itself, built in the same rank right after the student's call (outside the hook).
+Each check is a :class:`~ddpcourse.grading.checks.Case`. In every rank of a real group, the rank
+calls the student's function with its own rank for each situation and reports, as plain data, what
+came back (the index list, or what else it was, or the exception's type and message) and what the
+hook saw. The judge builds torch's own sampler for every rank itself (the reference never comes
+from a rank) and compares: first what the ranks hold together (same lengths, every index covered),
+then each rank's list index by index. The first situation that fails is the one reported, on
+every rank where it failed.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpcourse.grading.checks import CheckFailed, agree, agree_on, run_student
+from ddpcourse.grading.checks import (Case, CheckFailed, judge_each_rank, observed, run_student,
+                                      type_name)
 from ddpcourse.grading.forbidden import call_watching
+
+TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 
 # The file the hook watches: exactly what the profiler reports as a frame's co_filename.
 SAMPLER_FILE = DistributedSampler.__init__.__code__.co_filename
+MAX_REPORTED_CALLS = 20  # forbidden calls a rank reports (their names, each cut to 200 characters)
+MAX_TEXT = 500  # characters of any text a rank reports
 
 
 def reference_indices(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0,
@@ -37,23 +46,61 @@ def _shown(args: tuple, kwargs: dict, rank_text: str | None = None) -> str:
     return f"shard_indices({', '.join(parts)})"
 
 
-def own_code_call(shard_indices, args: tuple, kwargs: dict):
-    """Call the student's function, watching the sampler's file; return (result, exception).
-    Calling DistributedSampler (any of its code) fails the check."""
-    watched = call_watching(shard_indices, args, kwargs, SAMPLER_FILE)
-    if watched.forbidden_calls:
-        raise CheckFailed(
-            f"{_shown(args, kwargs)} ran code of torch/utils/data/distributed.py "
-            f"({watched.forbidden_calls}): DistributedSampler is what you are to rebuild, so it "
-            "must not run during the call. torch.Generator and torch.randperm are allowed")
-    if watched.hook_removed:
-        raise CheckFailed(f"{_shown(args, kwargs)} changed the profiler hook (sys.setprofile) "
-                          "that watches for DistributedSampler: leave it alone")
-    return watched.result, watched.exception
-
-
 def _is_index_list(value) -> bool:
     return type(value) is list and all(type(v) is int for v in value)
+
+
+def _cut(text, limit: int = MAX_TEXT) -> str:
+    text = str(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _safe_text(make) -> str:
+    """``make()`` as text, or why not: str() of a student's object runs the student's code."""
+    try:
+        return _cut(make())
+    except Exception as exc:  # noqa: BLE001 - the text is only shown
+        return f"(cannot be shown: {type(exc).__name__})"
+
+
+# --- in the rank: what the call gave, as data --------------------------------------------------
+
+
+def observe_call(shard_indices, args: tuple, kwargs: dict) -> dict:
+    """Call the student's function under the hook that watches the sampler's file; report what
+    came back and what the hook saw. The hook's findings (``forbidden_calls``, ``hook_removed``)
+    are facts of the rank's process, reported by the rank: a determined student could forge them
+    there. The judge still recomputes every index itself, so a forged report can only hide a
+    shortcut that gave the right answer, never score a wrong one."""
+    watched = call_watching(shard_indices, args, kwargs, SAMPLER_FILE)
+    result, exc = watched.result, watched.exception
+    return {
+        "forbidden_calls": [_cut(name, 200) for name in watched.forbidden_calls[:MAX_REPORTED_CALLS]],
+        "hook_removed": bool(watched.hook_removed),
+        "indices": list(result) if exc is None and _is_index_list(result) else None,
+        "type": type_name(result),
+        "text": _safe_text(lambda: str(result)[:120]),
+        "repr": _safe_text(lambda: repr(result)[:200]),
+        "raised": None if exc is None else {"raised": type(exc).__name__,
+                                            "message": _safe_text(lambda: exc)},
+        # isinstance, not the name: a subclass of ValueError is a ValueError (reported, too)
+        "value_error": isinstance(exc, ValueError),
+    }
+
+
+def observe_shards(rank, world_size, shard_indices, cases):
+    """Every situation ``(dataset_len, kwargs)`` on this rank, with ``num_replicas = world_size``.
+    No collective is needed: the judge compares the ranks."""
+    return {"calls": [observe_call(shard_indices, (dataset_len, world_size, rank), kwargs)
+                      for dataset_len, kwargs in cases]}
+
+
+def observe_errors(rank, world_size, shard_indices, errors):
+    """Each ``(args, what)`` of a call that must raise ValueError; one process, no group."""
+    return {"calls": [observe_call(shard_indices, tuple(args), {}) for args, _ in errors]}
+
+
+# --- in the judge: the reference, and the verdict ----------------------------------------------
 
 
 def _first_difference(got: list, expected: list) -> str:
@@ -68,29 +115,68 @@ def _preview(values: list, n: int = 14) -> str:
     return "[" + ", ".join(map(str, values[:n])) + (", ...]" if len(values) > n else "]")
 
 
-def _judge_rank(rank, got, raised, expected, what) -> None:
+def _calls(observation, count: int) -> list:
+    calls = observed(observation, "calls", list)
+    if len(calls) != count:
+        raise CheckFailed(f"the rank's report has {len(calls)} calls instead of {count} (did the "
+                          "code replace the check's own functions?)")
+    return calls
+
+
+def _reported_indices(call) -> list[int] | None:
+    """The rank's index list, checked here (the rank only says what it saw), or None."""
+    indices = observed(call, "indices", (list, type(None)))
+    if indices is not None and not _is_index_list(indices):
+        raise CheckFailed("the rank's report has 'indices' that are not a list of ints")
+    return indices
+
+
+def _reported_exception(call) -> tuple[str, str] | None:
+    raised = observed(call, "raised", (dict, type(None)))
+    if raised is None:
+        return None
+    return _cut(observed(raised, "raised", str), 200), _cut(observed(raised, "message", str))
+
+
+def _judge_hook(call, what: str) -> None:
+    """The shortcut: any code of the sampler's file ran during the call, or the hook was off."""
+    forbidden = observed(call, "forbidden_calls", list)
+    if forbidden:
+        names = [_cut(name, 200) for name in forbidden[:MAX_REPORTED_CALLS]]
+        raise CheckFailed(
+            f"{what} ran code of torch/utils/data/distributed.py ({names}): DistributedSampler "
+            "is what you are to rebuild, so it must not run during the call. torch.Generator and "
+            "torch.randperm are allowed")
+    if observed(call, "hook_removed", bool):
+        raise CheckFailed(f"{what} changed the profiler hook (sys.setprofile) that watches for "
+                          "DistributedSampler: leave it alone")
+
+
+def _judge_result(call, expected: list[int], what: str) -> None:
+    raised = _reported_exception(call)
     if raised is not None:
         raise CheckFailed(f"{what}: expected {_preview(expected)}, but it raised "
-                          f"{type(raised).__name__}: {raised}")
-    if not _is_index_list(got):
-        kind = type(got).__name__
+                          f"{raised[0]}: {raised[1]}")
+    got = _reported_indices(call)
+    if got is None:
         raise CheckFailed(f"{what}: expected a list of Python ints (torch's .tolist() gives "
-                          f"them), got {kind}: {str(got)[:120]}")
+                          f"them), got {_cut(observed(call, 'type', str), 100)}: "
+                          f"{_cut(observed(call, 'text', str), 120)}")
     if got != expected:
         raise CheckFailed(f"{what}: expected {_preview(expected)}, got {_preview(got)}; "
                           f"{_first_difference(got, expected)}")
 
 
-def _judge_shards(rank, everyone, dataset_len, num_replicas, drop_last, what) -> None:
-    """On rank 0 only (the others would say the same): equal lengths, and the union."""
-    if rank != 0 or any(shard is None for shard in everyone):
-        return
+def _judge_shards(everyone: list, dataset_len, num_replicas, drop_last, what) -> None:
+    """What the ranks hold together: equal lengths and, without drop_last, the union."""
+    if any(shard is None for shard in everyone):
+        return  # a rank's own verdict says what is wrong with it
     lengths = [len(shard) for shard in everyone]
     if len(set(lengths)) > 1:
         raise CheckFailed(f"{what} on every rank: the ranks got different numbers of indices "
-                          f"{lengths}; every rank must get the same number (else the ranks run "
-                          "different numbers of steps and the extra one waits forever in DDP's "
-                          "all-reduce)")
+                          f"{lengths}; every rank must get the same number (else the "
+                          "ranks run different numbers of steps and the extra one waits forever "
+                          "in DDP's all-reduce)")
     covered = set().union(*everyone) if everyone else set()
     if not drop_last and covered != set(range(dataset_len)):
         missing = sorted(set(range(dataset_len)) - covered)
@@ -100,45 +186,52 @@ def _judge_shards(rank, everyone, dataset_len, num_replicas, drop_last, what) ->
                           f"{extra[:10]}")
 
 
-def shard_case(rank, world_size, shard_indices, cases):
-    """Every case ``(dataset_len, kwargs)`` on this rank with ``num_replicas = world_size``."""
-    for dataset_len, kwargs in cases:
-        args = (dataset_len, world_size, rank)
-        shortcut = None
-        try:
-            got, raised = own_code_call(shard_indices, args, kwargs)
-        except CheckFailed as found:  # maybe on some ranks only: end the case on every rank
-            got, raised, shortcut = None, None, str(found)
-        agree(shortcut)
-        expected = reference_indices(*args, **kwargs)
-        # First what the ranks hold together (it says which rule is broken), then each rank's
-        # list index by index.
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, got if _is_index_list(got) else None)
-        agree_on(_judge_shards, rank, everyone, dataset_len, world_size,
-                 kwargs.get("drop_last", False), _shown(args[:2], kwargs, "rank"))
-        agree_on(_judge_rank, rank, got, raised, expected, _shown(args, kwargs))
-    return len(cases)
+def judge_shards(observations, world_size, cases):
+    """Situation by situation, in order; the first that fails on some rank is reported."""
+    reports: list = []
+
+    def read_rank(rank, observation):
+        reports.append(_calls(observation, len(cases)))
+
+    judge_each_rank(observations, read_rank)
+    for number, (dataset_len, kwargs) in enumerate(cases):
+        calls = [report[number] for report in reports]
+        shown = {rank: _shown((dataset_len, world_size, rank), kwargs)
+                 for rank in range(world_size)}
+        judge_each_rank(calls, lambda rank, call: _judge_hook(call, shown[rank]))
+        everyone: list = []
+        judge_each_rank(calls, lambda rank, call: everyone.append(_reported_indices(call)))
+        _judge_shards(everyone, dataset_len, world_size, kwargs.get("drop_last", False),
+                      _shown((dataset_len, world_size), kwargs, "rank"))  # about all the ranks
+        judge_each_rank(calls, lambda rank, call: _judge_result(
+            call, reference_indices(dataset_len, world_size, rank, **kwargs), shown[rank]))
 
 
-def errors_case(rank, world_size, shard_indices, errors):
-    """Each ``(args, what)`` must raise ValueError, as the sampler does (checked here too)."""
-    for args, what in errors:
+def judge_errors(observations, world_size, errors):
+    for args, _ in errors:  # the sampler itself must refuse them, or the exercise text is wrong
         try:
             reference_indices(*args)
         except ValueError:
             pass
-        else:  # the sampler changed: the exercise text is wrong, not the student
+        else:
             raise RuntimeError(f"DistributedSampler accepted {args}")
-        got, raised = own_code_call(shard_indices, args, {})
-        if raised is None:
-            raise CheckFailed(f"{_shown(args, {})} ({what}): expected ValueError, as "
-                              f"DistributedSampler raises, got {got!r}")
-        if not isinstance(raised, ValueError):
-            raise CheckFailed(f"{_shown(args, {})} ({what}): expected ValueError, got "
-                              f"{type(raised).__name__}: {raised}")
-    return len(errors)
 
+    def judge_rank(rank, observation):
+        for call, (args, what) in zip(_calls(observation, len(errors)), errors):
+            shown = f"{_shown(tuple(args), {})} ({what})"
+            _judge_hook(call, _shown(tuple(args), {}))
+            raised = _reported_exception(call)
+            if raised is None:
+                raise CheckFailed(f"{shown}: expected ValueError, as DistributedSampler raises, "
+                                  f"got {_cut(observed(call, 'repr', str), 200)}")
+            if observed(call, "value_error", bool) is not True:
+                raise CheckFailed(f"{shown}: expected ValueError, got {raised[0]}: {raised[1]}")
+
+    judge_each_rank(observations, judge_rank)
+
+
+SHARDS = Case(observe_shards, judge_shards)
+BAD_ARGUMENTS = Case(observe_errors, judge_errors)
 
 NO_SHUFFLE = [(10, {"shuffle": False}), (11, {"shuffle": False})]
 SHUFFLED = [(10, {}), (11, {}), (10, {"epoch": 1}), (11, {"epoch": 1}),
@@ -150,15 +243,15 @@ BAD_RANKS = [((10, 2, 2), "rank == num_replicas"), ((10, 3, -1), "a negative ran
 
 def check_shard_indices_without_shuffle(shard_indices) -> None:
     for world_size in (2, 3):
-        run_student(shard_case, world_size, shard_indices, NO_SHUFFLE)
+        run_student(SHARDS, world_size, shard_indices, NO_SHUFFLE)
 
 
 def check_shard_indices_shuffled(shard_indices) -> None:
     for world_size in (2, 3):
-        run_student(shard_case, world_size, shard_indices, SHUFFLED)
+        run_student(SHARDS, world_size, shard_indices, SHUFFLED)
 
 
 def check_shard_indices_drop_last_and_bad_ranks(shard_indices) -> None:
     for world_size in (2, 3):
-        run_student(shard_case, world_size, shard_indices, DROP_LAST)
-    run_student(errors_case, 1, shard_indices, BAD_RANKS, init_process_group=False)
+        run_student(SHARDS, world_size, shard_indices, DROP_LAST)
+    run_student(BAD_ARGUMENTS, 1, shard_indices, BAD_RANKS, init_process_group=False)
