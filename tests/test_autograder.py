@@ -1,9 +1,13 @@
 """The grading pipeline, end to end, on a fake class (tests/fake_class): every way a student can go
-wrong is graded within bounded time, scored as earned, and leaves no process behind."""
+wrong is graded within bounded time, scored as earned, and leaves no process behind.
+
+The class includes the hostile submissions of tests/fake_class/hostile.py (the last section here):
+one grading run serves both, since grading a class is the slowest thing the suite does."""
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 import subprocess
 import sys
@@ -58,16 +62,28 @@ def grade(class_root: Path, out: Path, jobs: int = 2) -> tuple[dict[str, dict], 
     return rows, elapsed, done.stdout
 
 
+def repository_digest() -> dict[str, str]:
+    """A hash of every file the grader or the course reads (not the virtual environment)."""
+    digests = {}
+    for folder in ("autograder", "ddpcourse", "solutions", "exercises", "tests"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digests[str(path.relative_to(ROOT))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     root = write_class(tmp_path_factory.mktemp("class"))
     out = root / "out"
+    before = repository_digest()
     rows, elapsed, stdout = grade(root, out)
-    return rows, out, stdout, elapsed
+    changed = {path for path, digest in repository_digest().items() if before.get(path) != digest}
+    return rows, out, stdout, elapsed, changed
 
 
 def test_every_student_is_in_the_csv_with_the_points_they_earned(graded):
-    rows, _, _, _ = graded
+    rows = graded[0]
     assert sorted(rows) == sorted(EXPECTED)
     got = {s: (float(r["score"]), r["status"]) for s, r in rows.items()}
     assert got == {s: (float(score), status) for s, (score, status) in EXPECTED.items()}
@@ -75,7 +91,7 @@ def test_every_student_is_in_the_csv_with_the_points_they_earned(graded):
 
 
 def test_both_notebooks_are_graded_and_a_missing_one_scores_zero(graded):
-    rows, out, _, _ = graded
+    rows, out = graded[:2]
     alice, oscar, bob = rows["alice"], rows["oscar"], rows["bob"]
     assert [alice[c] for c in PART2_CELLS] == ["1", "1", "1", "3", "2", "2", "3"]
     # no overlap: only the overlap cell is lost; part 1 was not handed in
@@ -86,7 +102,7 @@ def test_both_notebooks_are_graded_and_a_missing_one_scores_zero(graded):
 
 
 def test_a_wrong_answer_loses_exactly_the_points_of_its_cells(graded):
-    rows, _, _, _ = graded
+    rows = graded[0]
     bob, dave = rows["bob"], rows["dave"]
     for row in (bob, dave):  # wrong / hanging average_gradients, correct ring
         assert all(row[c] == "0" for c in AVERAGE_CELLS)
@@ -97,18 +113,18 @@ def test_a_wrong_answer_loses_exactly_the_points_of_its_cells(graded):
 
 
 def test_tampering_gains_nothing_and_is_flagged(graded):
-    rows, _, _, _ = graded
+    rows = graded[0]
     mallory = rows["mallory"]
     assert "dist.all_reduce" in mallory["flags"] and "run_ranks" in mallory["flags"]
     # the edited test cell was restored and the deleted one re-added: both graded, both 0
     assert mallory["test-average-gradients-two-ranks"] == "0"
     assert mallory["test-ring-allreduce-world-sizes"] == "0"
     assert "setattr" in rows["trent"]["flags"]
-    assert rows["nadia"]["flags"] == ""  # shadowing run_ranks is harmless: tests re-import it
+    assert rows["kenji"]["flags"] == ""  # shadowing run_ranks is harmless: tests re-import it
 
 
 def test_students_whose_kernel_died_or_blocked_still_get_a_row_and_feedback(graded):
-    rows, out, _, _ = graded
+    rows, out = graded[:2]
     assert "kernel died" in rows["heidi"]["notes"]
     assert "could not be interrupted" in rows["ivan"]["notes"]
     for student in ("heidi", "ivan"):
@@ -117,7 +133,7 @@ def test_students_whose_kernel_died_or_blocked_still_get_a_row_and_feedback(grad
 
 
 def test_every_student_gets_a_small_feedback_page_without_the_hidden_checks(graded):
-    _, out, _, _ = graded
+    out = graded[1]
     hidden_source = "\n".join((ROOT / "autograder/hidden" / name).read_text()
                               for name in ("allreduce_by_hand.py", "bucketed_ddp.py"))
     secret_lines = [line.strip() for line in hidden_source.splitlines()
@@ -136,16 +152,72 @@ def test_every_student_gets_a_small_feedback_page_without_the_hidden_checks(grad
 
 
 def test_the_summary_table_lists_everyone(graded):
-    _, _, stdout, _ = graded
+    stdout = graded[2]
     for student in EXPECTED:
         assert student in stdout
     assert f"{len(EXPECTED)} submissions in" in stdout
 
 
 def test_grading_the_same_submissions_again_gives_the_same_scores(graded, tmp_path):
-    rows, _, _, _ = graded
+    rows = graded[0]
     root = write_class(tmp_path, ["bob"])
     again, _, _ = grade(root, tmp_path / "out", jobs=1)
     for student in ("bob",):
         assert again[student]["score"] == rows[student]["score"]
         assert all(again[student][c] == rows[student][c] for c in AVERAGE_CELLS + RING_CELLS)
+
+
+# --- hostile submissions (tests/fake_class/hostile.py) -------------------------------------------
+
+HOSTILE = ["rebecca", "kenji", "wanda", "fiona", "rhea"]
+
+
+def test_rebinding_the_checks_inside_the_ranks_gains_nothing(graded):
+    rows = graded[0]
+    rebecca = rows["rebecca"]  # empty average_gradients that rebinds the checks; a correct ring
+    assert all(rebecca[c] == "0" for c in AVERAGE_CELLS)
+    assert [rebecca[c] for c in RING_CELLS] == ["2", "2", "2", "3"]
+    assert rebecca["flags"] == ""  # aliases the static scan cannot follow: the verdicts did it
+
+
+def test_taking_over_the_kernel_changes_no_verdict(graded):
+    rows, out = graded[:2]
+    kenji = rows["kenji"]  # every later cell wrapped in try/except, no exception reported
+    assert all(kenji[c] == "0" for c in AVERAGE_CELLS)
+    page = (out / "feedback/kenji/05_allreduce/allreduce_by_hand.html").read_text()
+    assert "Graded outside your notebook" in page and "FAILED (0 of 2 points)" in page
+
+
+def test_no_submission_can_write_what_the_grader_or_another_student_reads(graded):
+    rows, out, _, _, changed = graded
+    assert changed == set(), f"grading changed repository files: {sorted(changed)}"
+    wanda = (out / "work/wanda/autograded/wanda/05_allreduce/allreduce_by_hand.ipynb").read_text()
+    assert "WROTE" not in wanda and "OSError" in wanda
+    assert "tampered" not in (out / "grades.csv").read_text()
+    assert float(rows["wanda"]["score"]) == 13  # her honest code, graded as earned
+
+
+def test_output_is_capped_below_the_kernels_streams(graded):
+    out = graded[1]
+    for student in HOSTILE:
+        page = out / "feedback" / student / "05_allreduce" / "allreduce_by_hand.html"
+        assert page.stat().st_size < 2_500_000, f"{student}: {page.stat().st_size} B"
+        log = out / "work" / f"{student}.log"
+        assert log.stat().st_size < 1_100_000, f"{student}'s grading log: {log.stat().st_size} B"
+    page = (out / "feedback/fiona/05_allreduce/allreduce_by_hand.html").read_text()
+    assert "output cut" in page
+
+
+def test_hidden_checks_solutions_and_history_cannot_be_read(graded):
+    rows, out = graded[:2]
+    page = (out / "feedback/rhea/05_allreduce/allreduce_by_hand.html").read_text()
+    for name in ("allreduce_by_hand.py", "allreduce_by_hand.nb.py", "allreduce_by_hand.ipynb"):
+        assert f"cannot read {name}" in page
+    assert "cannot import the hidden checks" in page
+    hidden_source = (ROOT / "autograder/hidden/allreduce_by_hand.py").read_text()
+    for line in hidden_source.splitlines():
+        if len(line.strip()) > 30:
+            assert line.strip() not in page
+    solution = (ROOT / "solutions/05_allreduce/allreduce_by_hand.nb.py").read_text()
+    assert "### BEGIN SOLUTION" not in page and solution[-400:] not in page
+    assert float(rows["rhea"]["score"]) == 13

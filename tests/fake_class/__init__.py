@@ -87,8 +87,6 @@ SUBMISSIONS = {
     "dave": build({"average-gradients": AVERAGE_LOOPS, "ring-allreduce": RING}),
     "erin": build({"average-gradients": AVERAGE + "\nimport os\nos._exit(1)  # at top level",
                    "ring-allreduce": RING_EXITS}),
-    "frank": build({"average-gradients": AVERAGE_FLOODS + '\nprint("x" * 100_000_000)',
-                    "ring-allreduce": RING}),
     "grace": build(CORRECT, extra_after={"setup": (
         "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:29512', rank=0, "
         "world_size=2)")}),
@@ -105,10 +103,6 @@ SUBMISSIONS = {
             "def average_gradients(model):\n    pass")},
         replace_tests={"test-average-gradients-two-ranks": 'print("passed")'},
         delete=["test-ring-allreduce-world-sizes"]),
-    "nadia": build({"average-gradients": (
-        "def run_ranks(fn, world_size, *args, **kwargs):\n"
-        "    return [None] * world_size   # shadows the launcher in this notebook only\n"
-        "def average_gradients(model):\n    pass")}),
     "trent": build({"average-gradients": (
         "integrity.assert_untampered = lambda: None\n"
         "for name in dir(checks):\n"
@@ -140,18 +134,16 @@ EXPECTED = {
     "carol": (4, "graded"),
     "dave": (9, "graded"),
     "erin": (4, "graded"),
-    "frank": (13, "graded"),
     "grace": (13, "graded"),
     "heidi": (0, "dropped by nbgrader"),
     "ivan": (0, "dropped by nbgrader"),
     "mallory": (0, "flagged for tampering"),
-    "nadia": (0, "graded"),
     "trent": (0, "flagged for tampering"),
     "oscar": (11, "graded"),  # 13 of part 2 but the 2 points of the overlap test
 }
 
 
-HOSTILE, HOSTILE_EXPECTED = hostile_class(build, CORRECT, RING)
+HOSTILE, HOSTILE_EXPECTED = hostile_class(build, CORRECT, RING, AVERAGE_FLOODS)
 SUBMISSIONS.update(HOSTILE)
 EXPECTED.update(HOSTILE_EXPECTED)
 

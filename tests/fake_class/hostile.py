@@ -8,6 +8,8 @@ untouched, read nothing grader-only, and keep their feedback small.
 from __future__ import annotations
 
 AVERAGE_EMPTY = "def average_gradients(model):\n    pass\n"
+SHADOW_RUN_RANKS = ("def run_ranks(fn, world_size, *args, **kwargs):\n"
+                    "    return [None] * world_size   # shadows the launcher in this notebook only\n")
 
 # 1. Rebind the checks from inside the graded function (in the ranks), through aliases the
 #    static scan cannot follow: the comparison, torch's own comparisons, the report's helpers.
@@ -24,15 +26,13 @@ def average_gradients(model):
     vars(case)["type_name"] = lambda value: "None"
 '''
 
-# 2. Take over the kernel: swallow every later cell's exception, and report none.
+# 2. Take over the kernel: wrap every later cell in try/except, and report no exception.
 TAKE_OVER_KERNEL = '''
 ip = get_ipython()
 def swallow(lines):
     return ["try:\\n"] + ["    " + line for line in lines] + ["\\nexcept BaseException:\\n    pass\\n"]
 ip.input_transformers_post.append(swallow)
 ip.set_custom_exc((BaseException,), lambda *args, **kwargs: None)
-import sys
-sys.excepthook = lambda *args: None
 '''
 
 # 4. Write what the grader or other students read: from a kernel cell and from inside the ranks.
@@ -99,17 +99,20 @@ except Exception as exc:
 '''
 
 
-def hostile_class(build, correct: dict, ring: str) -> tuple[dict, dict]:
+def hostile_class(build, correct: dict, ring: str, average_floods: str) -> tuple[dict, dict]:
     """(submissions, expected scores out of 26 with status) of the hostile students."""
     average = correct["average-gradients"]
     submissions = {
         # the static scan cannot see these rebindings; the verdicts ignore them anyway
         "rebecca": build({"average-gradients": REBIND_IN_RANKS, "ring-allreduce": ring}),
-        "kenji": build({"average-gradients": AVERAGE_EMPTY, "ring-allreduce": ring},
-                       extra_after={"setup": TAKE_OVER_KERNEL}),
+        # and shadows run_ranks in the notebook, which must not be flagged: harmless
+        "kenji": build({"average-gradients": SHADOW_RUN_RANKS + AVERAGE_EMPTY,
+                        "ring-allreduce": ring}, extra_after={"setup": TAKE_OVER_KERNEL}),
         "wanda": build({"average-gradients": AVERAGE_WRITES_FROM_RANK, "ring-allreduce": ring},
                        extra_after={"setup": WRITE_GRADER_FILES}),
-        "fiona": build(correct, extra_after={"setup": FLOOD_FILE_DESCRIPTORS}),
+        # ~1 MB from every rank at every call, 100 MB of print, and 100 MB below sys.stdout
+        "fiona": build({"average-gradients": average_floods + '\nprint("x" * 100_000_000)',
+                        "ring-allreduce": ring}, extra_after={"setup": FLOOD_FILE_DESCRIPTORS}),
         "rhea": build({"average-gradients": average, "ring-allreduce": ring},
                       extra_after={"ring-allreduce": READ_HIDDEN}),
     }
