@@ -1,18 +1,31 @@
 """The checks of exercise memory_per_rank (chapter 02: bytes_per_rank, DDP vs FSDP2) catch
-plausible wrong solutions, each with a message that says what was expected and what came back.
+plausible wrong solutions, each with a message that says what was expected and what came back; in
+the student's kernel and judged by the trusted grader (autograder/trusted.py), where only the
+ranks' predictions come back and the judge measures on its own.
 The exercise: solutions/02_dp_ddp_fsdp/memory_per_rank.nb.py."""
 
 from __future__ import annotations
 
+import copy
 import math
+import sys
 
+import cloudpickle
 import pytest
+import torch
+from torch import nn
 
+from autograder import trusted
 from autograder.hidden import memory_per_rank as hidden
+from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import memory_per_rank as checks
+from ddpcourse.launcher import pickle_by_value
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
+# This module's functions travel to the ranks by value, as a notebook's do: a rank never imports
+# this module (and, through it, the grader's heavy imports).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def predictor(shard="chunk", step_bytes=4, frozen_state=False, ddp_share=False, as_float=False,
@@ -87,3 +100,140 @@ def test_uneven_frozen_and_float64_mistakes_pass_visible_but_fail_hidden(wrong, 
     checks.check_bytes_per_rank_even_model(wrong)  # rows divide evenly, float32, nothing frozen
     with pytest.raises(CheckFailed, match=expected):
         hidden.check_bytes_per_rank(wrong)
+
+
+def predictor_that_fakes_the_measurement(model, world_size, rank, strategy):
+    """Attack: a wrong prediction (no step counters), and the rank's measurement replaced by one
+    that agrees with it (where the old checks measured): the judge measures in its own ranks."""
+    import ddpcourse.grading.exercises.memory_per_rank as case
+
+    wrong = predictor(step_bytes=0)
+    case.measure_ddp = lambda spec, rank: wrong(case.build_model(spec), 1, 0, "ddp")
+    case.measure_fsdp = lambda spec, rank, n: wrong(case.build_model(spec), n, rank, "fsdp")
+    return wrong(model, world_size, rank, strategy)
+
+
+def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
+    with pytest.raises(CheckFailed, match="adam_state: measured 2552, you predicted 2528") as info:
+        checks.check_bytes_per_rank_even_model(predictor_that_fakes_the_measurement)
+    assert "rank 0:" in str(info.value) and "rank 1:" in str(info.value)
+
+
+# --- judged by the trusted grader: the ranks run in autograder's observation host ------------
+
+SOURCE = SOLUTIONS / "02_dp_ddp_fsdp" / "memory_per_rank.ipynb"
+
+
+def the_solution():
+    """``bytes_per_rank`` as the source notebook's solution cell defines it."""
+    namespace = {"math": math, "torch": torch, "nn": nn}
+    exec(compile(solution_code(SOURCE, "bytes-per-rank"), "<student notebook>", "exec"),
+         namespace)
+    return namespace["bytes_per_rank"]
+
+
+@pytest.fixture(scope="module")
+def host():
+    with trusted.ObservationHost() as host:
+        yield host
+
+
+def submitted(fn, host):
+    """``fn`` as the kernel leaves it: pickled by value (see the top of this module)."""
+    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
+
+
+def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
+    fn = submitted(the_solution(), host)
+    checks.check_bytes_per_rank_even_model(fn)
+    checks.check_bytes_per_rank_rejects_bad_arguments(fn)
+    hidden.check_bytes_per_rank(fn)
+
+
+@pytest.mark.parametrize("wrong, check, message", [
+    (predictor_that_fakes_the_measurement, checks.check_bytes_per_rank_even_model,
+     "adam_state: measured 2552, you predicted 2528"),
+    (predictor(shard="divide", as_float=True), checks.check_bytes_per_rank_even_model,
+     "must be an int"),
+    (predictor(validate=False), checks.check_bytes_per_rank_rejects_bad_arguments,
+     r"strategy='zero3'\): expected ValueError"),
+    (predictor(shard="padded"), hidden.check_bytes_per_rank, "fsdp, world size 3"),
+], ids=["fakes-the-measurement", "floats", "no-value-error", "padded"])
+def test_the_trusted_grader_catches(host, wrong, check, message):
+    with pytest.raises(CheckFailed, match=message) as failed:
+        check(submitted(wrong, host))
+    assert str(failed.value).startswith("rank ")  # each failed rank is named
+
+
+# --- the judges read the ranks' reports as untrusted data ----------------------------------
+
+
+def honest_memory_report(world_size, rank):
+    measured = checks.measured_bytes([checks.EVEN], checks.STRATEGIES, world_size)[rank]
+    return {"predictions": {key: {"raised": None, "type": "dict", "repr": repr(held),
+                                  "entries": [[k, "int", v] for k, v in held.items()]}
+                            for key, held in measured.items()}}
+
+
+def honest_errors_report():
+    return {"calls": [{"raised": "ValueError", "value_error": True, "message": "bad"}
+                      for _ in checks.VISIBLE_ERRORS]}
+
+
+def altered(report, path, value):
+    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
+    an empty path replaces the whole report."""
+    if not path:
+        return value
+    report = copy.deepcopy(report)
+    inner = report
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return report
+
+
+EVEN_DDP = ("predictions", "even/ddp")
+MEMORY_DAMAGE = [
+    ((), None), ((), {}), ((), [1]), (("predictions",), "x"), (("predictions",), {}),
+    (EVEN_DDP, None), (EVEN_DDP, {}), ((*EVEN_DDP, "raised"), 3),
+    ((*EVEN_DDP, "raised"), "x" * 1_000_000), ((*EVEN_DDP, "type"), None),
+    ((*EVEN_DDP, "entries"), "many"), ((*EVEN_DDP, "entries"), None),
+    ((*EVEN_DDP, "entries"), [[1, 2, 3]]), ((*EVEN_DDP, "entries"), [["params"]]),
+    ((*EVEN_DDP, "entries", 0), ["params", "int", "1264"]),
+    ((*EVEN_DDP, "entries", 0), ["params", "int", 1263]),
+    ((*EVEN_DDP, "entries", 0), ["params", "float", 1264.0]),
+    ((*EVEN_DDP, "entries", 0), ["x" * 100_000, "int", 1]),
+    ((*EVEN_DDP, "entries", 0), ["params", "int", torch.tensor(1264)]),
+]
+ERRORS_DAMAGE = [
+    ((), None), ((), {}), (("calls",), "x"), (("calls",), []), (("calls", 0), None),
+    (("calls", 0, "raised"), None), (("calls", 0, "raised"), 5),
+    (("calls", 0, "value_error"), "yes"), (("calls", 0, "message"), None),
+]
+
+
+def test_honest_reports_pass_the_judges():
+    checks.judge_memory([honest_memory_report(2, rank) for rank in range(2)], 2, (checks.EVEN,),
+                        checks.STRATEGIES)
+    checks.judge_errors([honest_errors_report()] * 2, 2, checks.VISIBLE_ERRORS)
+
+
+@pytest.mark.parametrize("case, path, value",
+                         [("memory", *damage) for damage in MEMORY_DAMAGE]
+                         + [("errors", *damage) for damage in ERRORS_DAMAGE],
+                         ids=lambda v: repr(v)[:40])
+def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge(case, path, value):
+    """Rank 1's report is damaged (what a hostile rank may send): the verdict names rank 1 only,
+    in a message of bounded size."""
+    if case == "memory":
+        reports = [honest_memory_report(2, rank) for rank in range(2)]
+        judge, args = checks.judge_memory, ((checks.EVEN,), checks.STRATEGIES)
+    else:
+        reports = [honest_errors_report(), honest_errors_report()]
+        judge, args = checks.judge_errors, (checks.VISIBLE_ERRORS,)
+    reports[1] = altered(reports[1], path, value)
+    with pytest.raises(CheckFailed) as failed:
+        judge(reports, 2, *args)
+    message = str(failed.value)
+    assert message.startswith("rank 1:") and "rank 0:" not in message and len(message) < 5000

@@ -4,27 +4,31 @@ The contract is the docstring of ``bytes_per_rank`` in
 solutions/02_dp_ddp_fsdp/memory_per_rank.nb.py (students:
 exercises/02_dp_ddp_fsdp/memory_per_rank.ipynb).
 
-The reference is a measurement, never a formula: each rank first asks the student's function for
-its own prediction (before any process group exists, so the prediction cannot peek), then joins a
-gloo group, trains the same model one Adam step under each strategy and counts, tensor by tensor,
-what it holds. A DTensor counts its local shard (``to_local()``), the elements the rank owns;
-FSDP2 keeps that shard in a buffer padded to ``ceil(dim0 / world_size)`` rows, and the padding is
-not counted. Adam's state is every tensor in ``optimizer.state`` (``exp_avg``, ``exp_avg_sq`` and
+The reference is a measurement, never a formula. Each case is a
+:class:`~ddpcourse.grading.checks.Case`: every rank asks the student's function for its own
+prediction (no process group exists, so the prediction cannot peek) and reports it as data; the
+judge, which never runs the student's code, measures on its own: it launches fresh ranks that run
+only this module's code, join a gloo group, train the same model one Adam step under each strategy
+and count, tensor by tensor, what each rank holds (:func:`measured_bytes`, kept per model, strategy
+and world size: the count does not depend on the data). A DTensor counts its local shard
+(``to_local()``), the elements the rank owns; FSDP2 keeps that shard in a buffer padded to
+``ceil(dim0 / world_size)`` rows, and the padding is not counted. Adam's state is every tensor in ``optimizer.state`` (``exp_avg``, ``exp_avg_sq`` and
 the per-parameter ``step`` counter).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-from datetime import timedelta
+import functools
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ddpcourse.grading.checks import CheckFailed, run_student
+from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, judge_each_rank,
+                                      observed, run_student, type_name)
+from ddpcourse.launcher import RankError, run_ranks
 
+TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 KEYS = ("params", "grads", "adam_state")
 STRATEGIES = ("ddp", "fsdp")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -130,30 +134,96 @@ def measure_fsdp(spec, rank: int, world_size: int) -> dict[str, int]:
     return count_held(model, optimizer)
 
 
-def _validate(prediction, what: str) -> dict[str, int]:
-    if not isinstance(prediction, dict):
-        raise CheckFailed(f"{what}: expected a dict with keys {list(KEYS)}, got "
-                          f"{type(prediction).__name__}: {prediction!r}")
-    if set(prediction) != set(KEYS):
-        raise CheckFailed(f"{what}: expected exactly the keys {list(KEYS)}, got "
-                          f"{sorted(prediction, key=str)}")
-    wrong_type = {k: type(v).__name__ for k, v in prediction.items()
-                  if type(v) is not int}
-    if wrong_type:
-        raise CheckFailed(f"{what}: every value must be an int (bytes), got types {wrong_type}")
-    return prediction
+_MAX_TEXT = 300  # of a text a rank reports, in a message
+_MAX_ENTRIES = 20  # of a returned dict, what a rank reports
 
 
-def predict(bytes_per_rank, spec, world_size: int, rank: int, strategy: str) -> dict[str, int]:
-    """The student's prediction for a fresh copy of the model (it may not reuse ours)."""
-    what = f"bytes_per_rank({spec[0]!r} model, world_size={world_size}, rank={rank}, {strategy!r})"
+def _text(value: Any, limit: int = _MAX_TEXT) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# --- in the judge: the measurement, in ranks that run only this module's code -------------------
+
+
+def _measure_in_rank(rank, world_size, specs, strategies):
+    return {f"{spec[0]}/{strategy}": (measure_ddp(spec, rank) if strategy == "ddp"
+                                      else measure_fsdp(spec, rank, world_size))
+            for spec in specs for strategy in strategies}
+
+
+@functools.lru_cache(maxsize=64)
+def _measure(specs: tuple, strategies: tuple, world_size: int) -> tuple:
     try:
-        prediction = bytes_per_rank(build_model(spec), world_size, rank, strategy)
+        return tuple(run_ranks(_measure_in_rank, world_size, specs, strategies, backend="gloo",
+                               timeout=max(CHECK_TIMEOUT_S, 60.0), seed=0, relay_output=False))
+    except RankError as err:  # the grader's own failure, never the student's
+        raise RuntimeError(f"the reference measurement failed: {err}") from None
+
+
+def measured_bytes(specs, strategies, world_size: int) -> list[dict[str, dict[str, int]]]:
+    """Per rank, ``{"MODEL/STRATEGY": {"params": ..., "grads": ..., "adam_state": ...}}``,
+    measured in fresh ranks that run no student code (once per models, strategies and world
+    size in a process)."""
+    return [{key: dict(held) for key, held in per_rank.items()}
+            for per_rank in _measure(tuple(specs), tuple(strategies), world_size)]
+
+
+# --- in the ranks: the predictions, recorded as data ---------------------------------------------
+
+
+def describe_call(fn, args: tuple) -> dict:
+    """What ``fn(*args)`` did, as data: the exception it raised (NotImplementedError, a stub's,
+    propagates), or its result: its type, its repr (cut), and for a dict its entries (key, the
+    value's type, the value when it is exactly an int)."""
+    try:
+        result = fn(*args)
     except NotImplementedError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the exception is the finding
-        raise CheckFailed(f"{what} raised {type(exc).__name__}: {exc}") from None
-    return _validate(prediction, what)
+    except Exception as exc:  # noqa: BLE001 - described as data, judged outside the ranks
+        return {"raised": type(exc).__name__, "value_error": isinstance(exc, ValueError),
+                "message": _text(exc, 500)}
+    described = {"raised": None, "type": type_name(result), "repr": _text(repr(result), 500),
+                 "entries": None}
+    if isinstance(result, dict):
+        described["entries"] = [
+            [key if type(key) is str else repr(key)[:100], type_name(value),
+             value if type(value) is int else None]
+            for key, value in list(result.items())[:_MAX_ENTRIES]]
+    return described
+
+
+def observe_memory(rank, world_size, bytes_per_rank, specs, strategies):
+    """The rank's predictions, one per model and strategy, each for a fresh copy of the model
+    (it may not reuse ours). No process group exists here."""
+    return {"predictions": {f"{spec[0]}/{strategy}": describe_call(
+        bytes_per_rank, (build_model(spec), world_size, rank, strategy))
+        for spec in specs for strategy in strategies}}
+
+
+def reported_prediction(described: Any, what: str) -> dict[str, int]:
+    """The prediction a rank reported, if it is a dict of exactly KEYS with int values."""
+    raised = observed(described, "raised", (str, type(None)))
+    if raised is not None:
+        raise CheckFailed(f"{what} raised {_text(raised)}: "
+                          f"{_text(observed(described, 'message', str))}")
+    kind, text = observed(described, "type", str), observed(described, "repr", str)
+    entries = observed(described, "entries", (list, type(None)))
+    if entries is None:
+        raise CheckFailed(f"{what}: expected a dict with keys {list(KEYS)}, got "
+                          f"{_text(kind)}: {_text(text)}")
+    if not all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
+               and isinstance(e[1], str) for e in entries):
+        raise CheckFailed(f"{what}: the rank's report of the returned dict is malformed")
+    keys = [key for key, _, _ in entries]
+    if sorted(keys) != sorted(KEYS):
+        raise CheckFailed(f"{what}: expected exactly the keys {list(KEYS)}, got "
+                          f"{_text(sorted(keys))}")
+    wrong_type = {key: _text(kind, 50) for key, kind, value in entries
+                  if kind != "int" or type(value) is not int}
+    if wrong_type:
+        raise CheckFailed(f"{what}: every value must be an int (bytes), got types {wrong_type}")
+    return {key: value for key, _, value in entries}
 
 
 def compare(spec, strategy: str, world_size: int, measured: dict, predicted: dict) -> list[str]:
@@ -165,54 +235,60 @@ def compare(spec, strategy: str, world_size: int, measured: dict, predicted: dic
     return [f"{strategy}, world size {world_size}, {describe(spec)}: {detail}"]
 
 
-def memory_case(rank, world_size, bytes_per_rank, specs, strategies, store_dir):
-    """Predictions first (no process group yet), then the measurement; every mismatch of this
-    rank in one message."""
-    predictions = {(spec[0], s): predict(bytes_per_rank, spec, world_size, rank, s)
-                   for spec in specs for s in strategies}
-    store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=30))
-    try:
+def judge_memory(observations, world_size, specs, strategies):
+    measured = measured_bytes(specs, strategies, world_size)
+
+    def judge_rank(rank, observation):
+        predictions = observed(observation, "predictions", dict)
         problems = []
         for spec in specs:
             for strategy in strategies:
-                measured = (measure_ddp(spec, rank) if strategy == "ddp"
-                            else measure_fsdp(spec, rank, world_size))
-                problems += compare(spec, strategy, world_size, measured,
-                                    predictions[(spec[0], strategy)])
-    finally:
-        dist.destroy_process_group()
-    if problems:
-        raise CheckFailed("\n  ".join(["bytes held after one Adam step differ from the "
-                                       "measurement:"] + problems))
-    return predictions
+                what = (f"bytes_per_rank({spec[0]!r} model, world_size={world_size}, "
+                        f"rank={rank}, {strategy!r})")
+                key = f"{spec[0]}/{strategy}"
+                predicted = reported_prediction(observed(predictions, key, dict), what)
+                problems += compare(spec, strategy, world_size, measured[rank][key], predicted)
+        if problems:
+            raise CheckFailed("\n  ".join(["bytes held after one Adam step differ from the "
+                                           "measurement:"] + problems))
+
+    judge_each_rank(observations, judge_rank)
+
+
+MEMORY = Case(observe_memory, judge_memory)
 
 
 def run_memory(bytes_per_rank, world_size: int, specs, strategies=STRATEGIES, **kwargs):
-    with tempfile.TemporaryDirectory(prefix="ddpcourse-memory-per-rank-") as store_dir:
-        return run_student(memory_case, world_size, bytes_per_rank, tuple(specs),
-                           tuple(strategies), store_dir, init_process_group=False, **kwargs)
+    return run_student(MEMORY, world_size, bytes_per_rank, tuple(specs), tuple(strategies),
+                       init_process_group=False, **kwargs)
 
 
-def expect_value_error(bytes_per_rank, spec, world_size, rank, strategy) -> None:
-    what = f"bytes_per_rank(model, world_size={world_size}, rank={rank}, strategy={strategy!r})"
-    try:
-        got = bytes_per_rank(build_model(spec), world_size, rank, strategy)
-    except ValueError:
-        return
-    except NotImplementedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the wrong exception type is the finding
-        raise CheckFailed(f"{what}: expected ValueError, got {type(exc).__name__}: {exc}") from None
-    raise CheckFailed(f"{what}: expected ValueError, got {got!r}")
+def observe_errors(rank, world_size, bytes_per_rank, cases):
+    """What each call with bad arguments did (it should raise ValueError)."""
+    return {"calls": [describe_call(bytes_per_rank, (build_model(EVEN), ws, r, strategy))
+                      for ws, r, strategy in cases]}
 
 
-def errors_case(rank, world_size, bytes_per_rank, cases):
-    for ws, r, strategy in cases:
-        expect_value_error(bytes_per_rank, EVEN, ws, r, strategy)
+def judge_errors(observations, world_size, cases):
+    def judge_rank(rank, observation):
+        calls = observed(observation, "calls", list)
+        if len(calls) != len(cases):
+            raise CheckFailed(f"the rank's report has {len(calls)} calls, not {len(cases)}")
+        for (ws, r, strategy), described in zip(cases, calls):
+            what = f"bytes_per_rank(model, world_size={ws}, rank={r}, strategy={strategy!r})"
+            raised = observed(described, "raised", (str, type(None)))
+            if raised is None:
+                raise CheckFailed(f"{what}: expected ValueError, got "
+                                  f"{_text(observed(described, 'repr', str))}")
+            message = observed(described, "message", str)
+            if observed(described, "value_error", bool) is not True:
+                raise CheckFailed(f"{what}: expected ValueError, got {_text(raised)}: "
+                                  f"{_text(message)}")
+
+    judge_each_rank(observations, judge_rank)
 
 
+ERRORS = Case(observe_errors, judge_errors)
 VISIBLE_ERRORS = [(2, 0, "zero3"), (2, 2, "ddp"), (2, -1, "fsdp")]
 
 
@@ -222,4 +298,4 @@ def check_bytes_per_rank_even_model(bytes_per_rank) -> None:
 
 
 def check_bytes_per_rank_rejects_bad_arguments(bytes_per_rank) -> None:
-    run_student(errors_case, 1, bytes_per_rank, VISIBLE_ERRORS, init_process_group=False)
+    run_student(ERRORS, 1, bytes_per_rank, VISIBLE_ERRORS, init_process_group=False)
