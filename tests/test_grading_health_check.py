@@ -1,18 +1,30 @@
 """The checks of exercise health_check (chapter 00: bus_bandwidth, all_reduce_self_test) catch
-plausible wrong solutions, pass right ones written several ways, and rest on facts measured here.
-The exercise: solutions/00_setup/health_check.nb.py."""
+plausible wrong solutions, pass right ones written several ways, and rest on facts measured here;
+in the student's kernel and judged by the trusted grader (autograder/trusted.py), where only the
+ranks' observations come back. The exercise: solutions/00_setup/health_check.nb.py."""
 
 from __future__ import annotations
 
+import copy
+import math
+import sys
+
+import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
 
+from autograder import trusted
 from autograder.hidden import health_check as hidden
+from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import health_check as checks
+from ddpcourse.launcher import pickle_by_value
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
+# This module's functions travel to the ranks by value, as a notebook's do: a rank never imports
+# this module (and, through it, the grader's heavy imports).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 # --- bus_bandwidth ----------------------------------------------------------------------------
@@ -198,7 +210,7 @@ def test_a_right_self_test_passes_however_it_calls_all_reduce(kind):
         hidden.check_all_reduce_self_test(right(kind))
     else:  # every corruption reaches this way of calling all_reduce too
         for corruption in [None, *checks.CORRUPTIONS]:
-            run_student(checks.self_test_case, 2, right(kind), corruption)
+            run_student(checks.SELF_TEST, 2, right(kind), corruption)
 
 
 @pytest.mark.parametrize("wrong, visible_catches, message", [
@@ -226,11 +238,173 @@ def test_the_self_test_checks_catch_checks_that_cannot_fail(wrong, visible_catch
         visible()
         assert visible_catches in hidden.CORRUPTIONS  # the hidden check tries every one
         with pytest.raises(CheckFailed, match=message):
-            run_student(checks.self_test_case, 2, wrong, visible_catches)
+            run_student(checks.SELF_TEST, 2, wrong, visible_catches)
 
 
 def test_a_rank_0_that_contributes_nothing_goes_unnoticed_by_the_articles_check():
     """ones * rank: rank 0 adds zeros, so losing its contribution changes nothing it looks at."""
-    run_student(checks.self_test_case, 4, articles_check, "no-op")  # at 4 ranks the no-op shows
+    run_student(checks.SELF_TEST, 4, articles_check, "no-op")  # at 4 ranks the no-op shows
     with pytest.raises(CheckFailed, match="rank 0's contribution is missing"):
-        run_student(checks.self_test_case, 4, articles_check, "rank-0-dropped")
+        run_student(checks.SELF_TEST, 4, articles_check, "rank-0-dropped")
+
+
+def rebinds_the_checks_and_always_true():
+    """Attack: a self-test that cannot fail, and the comparisons rebound inside the rank (where
+    the old checks judged): the judge runs elsewhere, so nothing changes."""
+    import ddpcourse.grading.exercises.health_check as case
+
+    case.CheckFailed = type("Silenced", (Exception,), {})
+    case.corruption_affects = lambda *args: False
+    return always_true()
+
+
+def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
+    with pytest.raises(CheckFailed, match="WRONG, but your function returned True") as failed:
+        checks.check_self_test_catches_a_broken_all_reduce(rebinds_the_checks_and_always_true)
+    assert "rank 0:" in str(failed.value) and "rank 2:" in str(failed.value)
+
+
+# --- judged by the trusted grader: the ranks run in autograder's observation host ------------
+
+SOURCE = SOLUTIONS / "00_setup" / "health_check.ipynb"
+
+
+def the_solution():
+    """``bus_bandwidth`` and ``all_reduce_self_test`` as the source notebook's solution cells
+    define them."""
+    namespace = {"math": math, "torch": torch, "dist": dist}
+    for cell in ("bus-bandwidth", "all-reduce-self-test"):
+        exec(compile(solution_code(SOURCE, cell), "<student notebook>", "exec"), namespace)
+    return namespace["bus_bandwidth"], namespace["all_reduce_self_test"]
+
+
+@pytest.fixture(scope="module")
+def host():
+    with trusted.ObservationHost() as host:
+        yield host
+
+
+def submitted(fn, host):
+    """``fn`` as the kernel leaves it: pickled by value (see the top of this module)."""
+    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
+
+
+def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
+    bus_bandwidth, all_reduce_self_test = (submitted(fn, host) for fn in the_solution())
+    checks.check_bus_bandwidth_all_reduce(bus_bandwidth)
+    checks.check_bus_bandwidth_other_collectives(bus_bandwidth)
+    hidden.check_bus_bandwidth(bus_bandwidth)
+    checks.check_self_test_passes_on_a_healthy_group(all_reduce_self_test)
+    checks.check_self_test_catches_a_broken_all_reduce(all_reduce_self_test)
+    hidden.check_all_reduce_self_test(all_reduce_self_test)
+
+
+@pytest.mark.parametrize("wrong, check, message", [
+    (uses_the_doctor, checks.check_bus_bandwidth_all_reduce,
+     "ddpcourse.doctor.algorithm_bandwidth"),
+    (in_bytes_per_second, checks.check_bus_bandwidth_all_reduce, "that is bytes/s"),
+    (without_all_to_all, hidden.check_bus_bandwidth, "all_to_all"),
+    (rebinds_the_checks_and_always_true, checks.check_self_test_catches_a_broken_all_reduce,
+     "WRONG, but your function returned True"),
+    (no_value_error_on_one_rank, checks.check_self_test_passes_on_a_healthy_group,
+     "must raise ValueError"),
+    (tears_down_the_group, checks.check_self_test_passes_on_a_healthy_group,
+     "the process group is unusable"),
+    (sum_only, hidden.check_all_reduce_self_test, "one position off"),
+], ids=lambda v: getattr(v, "__name__", "")[:40])
+def test_the_trusted_grader_catches(host, wrong, check, message):
+    with pytest.raises(CheckFailed, match=message) as failed:
+        check(submitted(wrong, host))
+    assert str(failed.value).startswith("rank ")  # each failed rank is named
+
+
+# --- the judges read the ranks' reports as untrusted data ----------------------------------
+
+
+def honest_call(args):
+    algbw, busbw = checks.reference_bandwidth(*args)
+    return {"forbidden_calls": [], "hook_removed": False, "raised": None, "value_error": False,
+            "message": "", "type": "tuple", "repr": repr((algbw, busbw)),
+            "values": [algbw, busbw]}
+
+
+def honest_bandwidth_report():
+    return {"cases": [honest_call(args) for args in checks.OTHER_CASES],
+            "errors": [{"forbidden_calls": [], "hook_removed": False, "raised": "ValueError",
+                        "value_error": True, "message": "no", "type": "None", "repr": "",
+                        "values": None} for _ in checks.ERROR_CASES]}
+
+
+def honest_self_test_report(world_size, rank, corruption):
+    return {"result": not checks.corruption_affects(corruption, rank, world_size),
+            "type": "bool", "repr": "True", "lines": 0, "first_lines": [], "all_reduces": 1,
+            "group_after": (world_size * torch.arange(4, dtype=torch.float64)
+                            + world_size * (world_size - 1) / 2)}
+
+
+def altered(report, path, value):
+    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
+    an empty path replaces the whole report."""
+    if not path:
+        return value
+    report = copy.deepcopy(report)
+    inner = report
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return report
+
+
+BANDWIDTH_DAMAGE = [
+    ((), None), ((), {}), (("cases",), "x"), (("cases",), []), (("errors",), None),
+    (("cases", 0), None), (("cases", 0, "forbidden_calls"), "doctor"),
+    (("cases", 0, "forbidden_calls"), ["x" * 1_000_000]), (("cases", 0, "hook_removed"), "no"),
+    (("cases", 0, "hook_removed"), True), (("cases", 0, "raised"), 7),
+    (("cases", 0, "raised"), "x" * 1_000_000), (("cases", 0, "values"), "1, 2"),
+    (("cases", 0, "values"), [1.0]), (("cases", 0, "values"), [True, 1.0]),
+    (("cases", 0, "values"), [torch.tensor(1.0), 2.0]), (("cases", 0, "values"), [1.0, 2.0]),
+    (("cases", 0, "values", 0), float("nan")), (("errors", 0, "raised"), None),
+    (("errors", 0, "value_error"), "yes"), (("errors", 0, "message"), None),
+]
+SELF_TEST_DAMAGE = [
+    ((), None), ((), {}), (("lines",), "0"), (("lines",), 4), (("first_lines",), None),
+    (("all_reduces",), 0), (("all_reduces",), None), (("result",), "True"), (("result",), False),
+    (("result",), None), (("type",), 1), (("group_after",), None),
+    (("group_after",), "x" * 1_000_000), (("group_after",), torch.ones(2)),
+    (("group_after",), torch.zeros(4, dtype=torch.int64)),
+    (("group_after",), torch.zeros(4).to_sparse()),
+]
+
+
+def test_honest_reports_pass_the_judges():
+    checks.judge_bandwidth([honest_bandwidth_report()] * 2, 2, checks.OTHER_CASES,
+                           checks.ERROR_CASES)
+    checks.judge_self_test([honest_self_test_report(3, r, "one-rank") for r in range(3)], 3,
+                           "one-rank")
+    single = {"raised": "ValueError", "value_error": True, "repr": ""}
+    checks.judge_single_rank([single, single], 2)
+
+
+@pytest.mark.parametrize("case, path, value",
+                         [("bandwidth", *damage) for damage in BANDWIDTH_DAMAGE]
+                         + [("self_test", *damage) for damage in SELF_TEST_DAMAGE]
+                         + [("single", (), None), ("single", ("raised",), 3),
+                            ("single", ("value_error",), False), ("single", ("repr",), None)],
+                         ids=lambda v: repr(v)[:40])
+def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge(case, path, value):
+    """Rank 1's report is damaged (what a hostile rank may send): the verdict names rank 1 only,
+    in a message of bounded size."""
+    if case == "bandwidth":
+        reports = [honest_bandwidth_report(), honest_bandwidth_report()]
+        judge, args = checks.judge_bandwidth, (checks.OTHER_CASES, checks.ERROR_CASES)
+    elif case == "self_test":
+        reports = [honest_self_test_report(2, r, None) for r in range(2)]
+        judge, args = checks.judge_self_test, (None,)
+    else:
+        single = {"raised": "ValueError", "value_error": True, "repr": ""}
+        reports, judge, args = [single, dict(single)], checks.judge_single_rank, ()
+    reports[1] = altered(reports[1], path, value)
+    with pytest.raises(CheckFailed) as failed:
+        judge(reports, 2, *args)
+    message = str(failed.value)
+    assert message.startswith("rank 1:") and "rank 0:" not in message and len(message) < 5000

@@ -3,8 +3,8 @@ self-test against more ways for an all-reduce to go wrong."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.exercises.health_check import (CORRUPTIONS, bandwidth_cases_case, self_test_case,
-                                    single_rank_case)
+from ddpcourse.grading.exercises.health_check import (BANDWIDTH, CORRUPTIONS, SELF_TEST,
+                                                     SINGLE_RANK)
 from ddpcourse.grading.checks import run_student
 
 CASES = [
@@ -34,13 +34,13 @@ def _hidden(case, world_size, fn, *args, **kwargs):
 
 def check_bus_bandwidth(bus_bandwidth) -> None:
     __tracebackhide__ = True  # noqa: F841
-    _hidden(bandwidth_cases_case, 1, bus_bandwidth, CASES, ERRORS, init_process_group=False)
+    _hidden(BANDWIDTH, 1, bus_bandwidth, CASES, ERRORS, init_process_group=False)
 
 
 def check_all_reduce_self_test(all_reduce_self_test) -> None:
     __tracebackhide__ = True  # noqa: F841
     for corruption in CORRUPTIONS:
         for world_size in (2, 4):
-            _hidden(self_test_case, world_size, all_reduce_self_test, corruption)
-    _hidden(self_test_case, 3, all_reduce_self_test)  # and the group works for the next test
-    _hidden(single_rank_case, 1, all_reduce_self_test)
+            _hidden(SELF_TEST, world_size, all_reduce_self_test, corruption)
+    _hidden(SELF_TEST, 3, all_reduce_self_test)  # and the group works for the next test
+    _hidden(SINGLE_RANK, 1, all_reduce_self_test)
