@@ -4,9 +4,10 @@ The notebook's own test cells run in the student's kernel, which the student con
 transformers, patched functions, threads...), so their verdicts are only a courtesy. The grade
 comes from here:
 
-1. the kernel runs the student's cells, but its test cells are stand-ins (:func:`stand_in_test_cells`),
-   and it leaves each graded function behind as pickled bytes (``setup_notebook`` does it
-   after every cell when the worker asks); this process never unpickles them;
+1. the kernel runs the student's cells, but its test cells are stand-ins
+   (:func:`stand_in_test_cells`), and it leaves each graded function behind as pickled bytes
+   (``setup_notebook`` does it after every cell when the worker asks); this process never
+   unpickles them;
 2. :class:`ObservationHost` starts ``ddpcourse.grading.observation_host`` in the submission's
    sandbox: it runs a case's ``observe`` in fresh ranks with the student's function and sends back
    every rank's observations as plain data;
@@ -78,6 +79,17 @@ class ObservationHost:
             if self.log_path:
                 log.close()
 
+    def start(self) -> None:
+        """Start the host now, so it imports torch and warms its ranks while the caller does
+        something else (the first case would otherwise wait for it)."""
+        with self.lock:
+            self._start_if_needed()
+
+    def _start_if_needed(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            self.close()
+            self._start()
+
     def observe(self, observe, world_size: int, args: tuple, payload: bytes, timeout: float,
                 init_process_group: bool) -> list:
         name = f"{observe.__module__}:{observe.__qualname__}"
@@ -87,9 +99,7 @@ class ObservationHost:
         request = {"observe": name, "world_size": world_size, "timeout": timeout,
                    "init_process_group": init_process_group, "args_bytes": len(encoded_args)}
         with self.lock:
-            if self.process is None or self.process.poll() is not None:
-                self.close()
-                self._start()
+            self._start_if_needed()
             reply = self._ask(request, encoded_args + payload, timeout + HOST_MARGIN_S)
         header, body = reply
         status = header.get("status")
@@ -265,7 +275,7 @@ def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
     return verdicts
 
 
-# --- what the worker does with them ----------------------------------------------------------------
+# --- what the worker does with them --------------------------------------------------------
 
 STAND_IN = 'print("graded outside this notebook: the grader\'s verdict is above")'
 GRADER_NOTE = "[grader] "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 import sys
 import time
 from pathlib import Path
@@ -161,7 +162,37 @@ def _graded_functions(folder: Path) -> dict[str, bytes]:
             and path.stat().st_size <= MAX_FUNCTION_BYTES}
 
 
-def grade_one(job: dict) -> dict:
+@dataclass
+class _Prepared:
+    """One submission, ready for nbgrader: its folders, configuration and what the scan found."""
+
+    student: str
+    assignment: str
+    work: Path
+    config: Config
+    graded_outside: dict  # slug -> the graded cells of a notebook graded outside the kernel
+    in_kernel: list[str]  # slugs still graded in the kernel
+    flags: list[str]
+    moved: list[str]
+    sandbox_warning: str | None
+    kernel_box: sandbox.Sandbox | None
+    host_box: sandbox.Sandbox | None
+    started: float
+
+    @property
+    def submitted(self) -> Path:
+        return self.work / "submitted" / self.student / self.assignment
+
+    @property
+    def autograded(self) -> Path:
+        return self.work / "autograded" / self.student / self.assignment
+
+    @property
+    def kernel_dir(self) -> Path:
+        return self.work / "kernel"
+
+
+def _prepare(job: dict) -> _Prepared:
     started = time.monotonic()
     student, assignment = job["student"], job["assignment"]
     work = Path(job["work"])
@@ -181,14 +212,13 @@ def grade_one(job: dict) -> dict:
                                            work / "host")
     for folder in (kernel_dir, functions_dir, host_dir, autograded):
         folder.mkdir(parents=True, exist_ok=True)
-    # nbgrader deletes and remakes the student's autograded folder: bind its parent, which stays.
     in_kernel = sorted(nb.stem for nb in source.glob("*.ipynb") if not trusted.graded_here(nb.stem))
+    # nbgrader deletes and remakes the student's autograded folder: bind its parent, which stays.
     kernel_box, host_box = (_sandboxes(work, autograded.parent.parent, kernel_dir, functions_dir,
                                        host_dir, bool(in_kernel))
                             if use_sandbox else (None, None))
     config.KernelManager.ip = str(kernel_dir / "ipc")
     config.merge(_sandboxed_kernel_config(kernel_box, kernel_dir))
-    api = api_for(config)
 
     locked = set().union(*(locked_ids_of(p) for p in source.glob("*.ipynb")))
     flags = [str(f) for nb in sorted(submitted.glob("*.ipynb")) for f in scan_notebook(nb, locked)]
@@ -201,35 +231,52 @@ def grade_one(job: dict) -> dict:
     os.environ[GRADED_FUNCTIONS_DIR] = str(functions_dir)
     os.environ[GRADED_FUNCTIONS] = ",".join(
         sorted({name for cells in graded_outside.values() for name in trusted.graded_names(cells)}))
+    return _Prepared(student, assignment, work, config, graded_outside, in_kernel, flags, moved,
+                     sandbox_warning, kernel_box, host_box, started)
 
+
+def grade_one(job: dict) -> dict:
+    prepared = _prepare(job)
+    box = prepared.host_box
+    with trusted.ObservationHost(wrap=box.command if box else list,
+                                 log_path=prepared.work / "host.log") as host:
+        if prepared.graded_outside:
+            host.start()  # imports torch and warms its ranks while the kernel runs the notebook
+        return _grade(prepared, host)
+
+
+def _grade(prepared: _Prepared, host: trusted.ObservationHost) -> dict:
+    student, assignment, config = prepared.student, prepared.assignment, prepared.config
+    submitted, autograded, kernel_dir = prepared.submitted, prepared.autograded, prepared.kernel_dir
+    api = api_for(config)
     check(api.generate_assignment(assignment, force=True, create=True), "generate_assignment")
     autograde = api.autograde(assignment, student, force=True, create=True)
-    status, notes = "graded", [sandbox_warning] if sandbox_warning else []
-    if in_kernel:
-        notes.append(f"{', '.join(in_kernel)}: scores from the student's kernel (its hidden checks "
-                     "were readable there)")
-    if moved:
-        notes.append(f"the setup cell had been moved; it was put back first in {moved}")
-    feedback_dir = work / "feedback" / student / assignment
-    with trusted.ObservationHost(wrap=host_box.command if host_box else list,
-                                 log_path=work / "host.log") as host:
-        for slug, cells in graded_outside.items():
-            notebook = autograded / f"{slug}.ipynb"
-            if notebook.exists():
-                verdicts = trusted.grade_cells(cells, _graded_functions(functions_dir / slug), host)
-                trusted.record_verdicts(config.CourseDirectory.db_url, assignment, slug, student,
-                                        verdicts)
-                trusted.annotate(notebook, verdicts)
-                notes.append(f"{slug}: scores computed outside the notebook")
-    if sandbox_warning:
+    status, notes = "graded", [prepared.sandbox_warning] if prepared.sandbox_warning else []
+    if prepared.in_kernel:
+        notes.append(f"{', '.join(prepared.in_kernel)}: scores from the student's kernel (its "
+                     "hidden checks were readable there)")
+    if prepared.moved:
+        notes.append(f"the setup cell had been moved; it was put back first in {prepared.moved}")
+    feedback_dir = prepared.work / "feedback" / student / assignment
+    for slug, cells in prepared.graded_outside.items():
+        notebook = autograded / f"{slug}.ipynb"
+        if notebook.exists():
+            functions = _graded_functions(prepared.work / "graded_functions" / slug)
+            verdicts = trusted.grade_cells(cells, functions, host)
+            trusted.record_verdicts(config.CourseDirectory.db_url, assignment, slug, student,
+                                    verdicts)
+            trusted.annotate(notebook, verdicts)
+            notes.append(f"{slug}: scores computed outside the notebook")
+    if prepared.sandbox_warning:
         for notebook in sorted(autograded.glob("*.ipynb")):
-            _open_with_warning(notebook, sandbox_warning)
+            _open_with_warning(notebook, prepared.sandbox_warning)
     if autograded.exists() and any(autograded.glob("*.ipynb")):
         check(api.generate_feedback(assignment, student, force=True), "generate_feedback")
     else:
         status = "dropped by nbgrader"
         timeout = config.Execute.timeout
-        reasons = [f"{nb.name}: {_diagnose_dropped(nb, timeout, kernel_dir, kernel_box)}"
+        box = prepared.kernel_box
+        reasons = [f"{nb.name}: {_diagnose_dropped(nb, timeout, kernel_dir, box)}"
                    for nb in sorted(submitted.glob("*.ipynb"))]
         notes.extend(reasons)
         for nb in sorted(submitted.glob("*.ipynb")):
@@ -240,6 +287,7 @@ def grade_one(job: dict) -> dict:
                           + "\n\n".join(reasons) + "\n\nnbgrader's log:\n"
                           + (autograde.get("log") or "")[-4000:])
     score, max_score, cells = _scores(config, assignment, student)
+    flags = prepared.flags
     if flags:
         status, score = "flagged for tampering", 0.0
         notes.append("tampering found by the static scan: " + "; ".join(flags))
@@ -251,10 +299,11 @@ def grade_one(job: dict) -> dict:
                           "The notebook changes functions that the tests rely on, so its "
                           "test results cannot be trusted; it scores 0 until your instructor "
                           "has reviewed it.\n\n" + "\n".join(flags))
-    _export(config, assignment, student, work / "grades.csv")
+    _export(config, assignment, student, prepared.work / "grades.csv")
     return {"student": student, "assignment": assignment, "status": status, "score": score,
             "max_score": max_score, "cells": cells, "flags": flags, "notes": notes,
-            "feedback": str(feedback_dir), "seconds": round(time.monotonic() - started, 1)}
+            "feedback": str(feedback_dir),
+            "seconds": round(time.monotonic() - prepared.started, 1)}
 
 
 def main() -> int:
