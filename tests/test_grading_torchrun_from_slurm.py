@@ -1,16 +1,38 @@
 """The checks of exercise torchrun_from_slurm (chapter 03: torchrun_argv_from_slurm, launched for
 real) catch plausible wrong solutions, each with a message that says what was expected and what
-came back. The exercise: solutions/03_torchrun/torchrun_from_slurm.nb.py."""
+came back, in the student's kernel and judged by the trusted grader (autograder/trusted.py, where
+only the ranks' observations come back), and read the ranks' reports as untrusted data.
+The exercise: solutions/03_torchrun/torchrun_from_slurm.nb.py."""
 
 from __future__ import annotations
 
+import copy
+import json
+import re
+import sys
+from collections.abc import Mapping
+
+import cloudpickle
 import pytest
 
 from autograder.hidden import torchrun_from_slurm as hidden
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import torchrun_from_slurm as checks
+from ddpcourse.launcher import pickle_by_value
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
+
+
+def the_solution():
+    """``torchrun_argv_from_slurm`` as the source notebook's solution cell defines it.
+    (autograder.sources is imported here, not above: the ranks import this module to rebuild its
+    functions, and nbformat would cost each of them seconds.)"""
+    from autograder.sources import SOLUTIONS, solution_code
+
+    source = SOLUTIONS / "03_torchrun" / "torchrun_from_slurm.ipynb"
+    namespace = {"Mapping": Mapping}
+    exec(compile(solution_code(source, "torchrun-argv"), "<student notebook>", "exec"), namespace)
+    return namespace["torchrun_argv_from_slurm"]
 
 
 def command(env, script, port=29500, head=None, node="SLURM_NODEID"):
@@ -122,3 +144,193 @@ def test_a_right_command_meets_for_real(no_orphans):
     assert sorted(r["rank"] for r in reports) == [0, 1]
     assert {r["store"].rsplit(":", 1)[0] for r in reports} == {"localhost"}
     assert {r["group_rank"] for r in reports} == {"0", "1"}
+
+
+def returns_a_tuple_and_rebinds_the_judge(env, script, port=29500):
+    """A tuple, not a list, and the check module's comparisons rebound in its process."""
+    import ddpcourse.grading.checks as grading
+    import ddpcourse.grading.exercises.torchrun_from_slurm as case
+
+    case.compare_args = case.parse_torchrun = lambda *args, **kwargs: None
+    grading.judge_each_rank = case.judge_each_rank = lambda *args, **kwargs: None
+    return tuple(command(env, script, port, head=checks.first_host(env["SLURM_JOB_NODELIST"])))
+
+
+# --- judged by the trusted grader: the ranks run in autograder's observation host ------------
+
+
+@pytest.fixture(scope="module")
+def host():
+    # imported here: the ranks of the tests above import this module to rebuild its functions,
+    # and autograder.trusted (nbformat, jsonschema) would cost each rank seconds
+    from autograder import trusted
+
+    with trusted.ObservationHost() as host:
+        yield host
+
+
+def submitted(fn, host):
+    """``fn`` as the kernel leaves it: pickled by value (a notebook's functions live in
+    ``__main__``; this module's cannot be imported by the host)."""
+    from autograder import trusted
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
+
+
+def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
+    right = submitted(the_solution(), host)
+    checks.check_torchrun_argv_parses(right)
+    checks.check_torchrun_argv_rejects_missing_variables(right)
+    checks.check_torchrun_argv_launches_two_nodes(right)
+    hidden.check_torchrun_argv(right)
+
+
+@pytest.mark.parametrize("wrong, check, message", [
+    (unexpanded, checks.check_torchrun_argv_parses,
+     re.escape("--master-addr: expected 'gpu07', torchrun reads 'gpu[07-08]'")),
+    (node_from_procid, checks.check_torchrun_argv_parses, "raised KeyError: 'SLURM_PROCID'"),
+    (names_first_missing_only, checks.check_torchrun_argv_rejects_missing_variables,
+     r"must name \['SLURM_NODEID', 'SLURM_JOB_NODELIST'\]"),
+    (returns_a_tuple_and_rebinds_the_judge, checks.check_torchrun_argv_parses,
+     r"expected a list of str, got \('torchrun', "),
+    (smallest_number, hidden.check_torchrun_argv, "the first number listed"),
+    (the_articles_command, checks.check_torchrun_argv_launches_two_nodes,
+     r"(?s)node 1 uses --master-addr 127.0.0.1 --master-port 29500 \(torchrun's default\).*"
+     r"never meet node 0.*exited with code 1"),
+], ids=lambda v: getattr(v, "__name__", "")[:40])
+def test_the_trusted_grader_catches(host, wrong, check, message):
+    with pytest.raises(CheckFailed, match=message) as failed:
+        check(submitted(wrong, host))
+    assert str(failed.value).startswith("rank 0: ")  # the failed rank is named
+
+
+# --- the judges read the ranks' reports as untrusted data ----------------------------------
+
+ARGV_CASES = checks.VISIBLE_CASES
+LAUNCH_ARGS = (2, "localhost,127.0.0.1", None, 60.0)
+
+
+def honest_argv_reports():
+    report = checks.observe_argvs(0, 1, the_solution(), ARGV_CASES)
+    return [report, copy.deepcopy(report)]
+
+
+def honest_error_reports():
+    report = checks.observe_errors(0, 1, the_solution(), checks.VISIBLE_ERRORS)
+    return [report, copy.deepcopy(report)]
+
+
+def honest_launch_report(lonely=False):
+    """What a rank reports for the solution's (or the article's) commands, without launching."""
+    nnodes, nodelist, gpus, _ = LAUNCH_ARGS
+    port, script = 40123, "/tmp/ddpcourse-torchrun-from-slurm-x/grader_worker.py"
+    fn = the_articles_command if lonely else the_solution()
+    calls = [checks.observe_call(fn, env, script, port)
+             for env in checks.node_envs(nnodes, nodelist, gpus)]
+    report = {"port": port, "script": script, "calls": calls, "lonely": None, "runs": None}
+    if lonely:
+        report["lonely"] = {"returncode": 1, "timed_out": False, "seconds": 3.4,
+                            "stdout_tail": "", "workers": [],
+                            "stderr_tail": "torch.distributed.DistStoreError: Timed out after "
+                                           "3000ms waiting for clients. 1/2 clients joined."}
+        return report
+    report["runs"] = [
+        {"returncode": 0, "timed_out": False, "seconds": 4.0, "stdout_tail": "",
+         "stderr_tail": "", "workers": [json.dumps(
+             {"rank": node, "world_size": 2, "sum": 1.0, "group_rank": str(node),
+              "local_rank": "0", "store": f"localhost:{port}"})]}
+        for node in range(nnodes)]
+    return report
+
+
+def altered(report, path, value):
+    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
+    an empty path replaces the whole report."""
+    if not path:
+        return value
+    report = copy.deepcopy(report)
+    inner = report
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return report
+
+
+CALL_DAMAGE = [
+    ((), None), ((), [1, 2]), (("calls",), "all"), (("calls",), []), (("calls", 0), None),
+    (("calls", 0, "argv"), "torchrun --nnodes 2"), (("calls", 0, "argv"), ["torchrun", 2]),
+    (("calls", 0, "argv"), ["x"] * 10**5), (("calls", 0, "argv"), ["torchrun", "x" * 10**6]),
+    (("calls", 0, "argv"), ["torchrun", "--help"]), (("calls", 0, "argv"), None),
+    (("calls", 0, "argv"), ["torchrun", "--nnodes", "2", "--node-rank", "one", "train.py"]),
+    (("calls", 0), {"argv": None, "type": None, "repr": None, "raised": None}),
+    (("calls", 0, "raised"), "ValueError"), (("calls", 0, "raised"), {"raised": "ValueError"}),
+    (("calls", 0, "raised"), {"raised": "X" * 10**6, "message": "m" * 10**6,
+                              "is_value_error": True}),
+]
+ERROR_DAMAGE = CALL_DAMAGE[:5] + CALL_DAMAGE[-3:] + [
+    (("calls", 0, "raised"), None), (("calls", 0, "raised", "is_value_error"), "yes"),
+    (("calls", 0, "raised", "message"), "x" * 1_000_000),
+    (("calls", 0, "raised", "raised"), ["ValueError"]), (("calls",), [None, None]),
+]
+LAUNCH_DAMAGE = [
+    ((), None), ((), {}), (("port",), "40123"), (("port",), True), (("port",), 10**6),
+    (("port",), 40124), (("script",), None), (("script",), "s" * 10**6), (("calls",), []),
+    (("calls", 1, "argv"), ["torchrun"]), (("runs",), None), (("runs",), []),
+    (("runs", 0), None), (("runs", 0, "returncode"), "0"), (("runs", 0, "returncode"), False),
+    (("runs", 0, "returncode"), 1), (("runs", 0, "timed_out"), 0), (("runs", 0, "seconds"), None),
+    (("runs", 0, "stderr_tail"), None), (("runs", 0, "timed_out"), True),
+    (("runs", 0, "workers"), "WORKER"),
+    (("runs", 0, "workers"), [1]), (("runs", 0, "workers"), ["{}"] * 10**4),
+    (("runs", 0, "workers"), []), (("runs", 0, "workers"), ["not json"]),
+    (("runs", 0, "workers"), ["[" * 5000 + "]" * 5000]), (("runs", 0, "workers"), ["{}"]),
+    (("runs", 0, "workers"), ['{"rank": 0, "world_size": 2, "sum": NaN, "group_rank": "0", '
+                              '"local_rank": "0", "store": "s"}']),
+    (("runs", 0, "workers"), ['{"rank": true, "world_size": 2, "sum": 1, "group_rank": "0", '
+                              '"local_rank": "0", "store": "s"}']),
+    (("runs", 0, "workers"), ['{"rank": 1, "world_size": 2, "sum": 1, "group_rank": "0", '
+                              '"local_rank": "0", "store": "s"}']),
+]
+LONELY_DAMAGE = [
+    (("lonely",), None), (("lonely",), {}), (("lonely", "seconds"), "3"),
+    (("lonely", "stderr_tail"), ["timed out"]), (("lonely", "stderr_tail"), "t" * 10**6),
+    (("lonely", "timed_out"), None),
+]
+
+
+def test_honest_reports_pass_the_judges():
+    checks.judge_argvs(honest_argv_reports(), 2, ARGV_CASES)
+    checks.judge_errors(honest_error_reports(), 2, checks.VISIBLE_ERRORS)
+    reports = checks.worker_reports(honest_launch_report(), *LAUNCH_ARGS)
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    with pytest.raises(CheckFailed, match="(?i)never meet node 0.*timed out after 3000ms"):
+        checks.judge_launch([honest_launch_report(lonely=True)], 1, *LAUNCH_ARGS)
+
+
+@pytest.mark.parametrize("case, path, value",
+                         [("argvs", *damage) for damage in CALL_DAMAGE]
+                         + [("errors", *damage) for damage in ERROR_DAMAGE]
+                         + [("launch", *damage) for damage in LAUNCH_DAMAGE + CALL_DAMAGE]
+                         + [("lonely", *damage) for damage in LONELY_DAMAGE],
+                         ids=lambda v: repr(v)[:40])
+def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge(case, path, value):
+    """Rank 1's report is damaged (what a hostile rank may send): the verdict names rank 1 only,
+    in a message of bounded size."""
+    if case == "argvs":
+        reports = honest_argv_reports()
+        judge = lambda: checks.judge_argvs(reports, 2, ARGV_CASES)  # noqa: E731
+    elif case == "errors":
+        reports = honest_error_reports()
+        judge = lambda: checks.judge_errors(reports, 2, checks.VISIBLE_ERRORS)  # noqa: E731
+    else:
+        reports = [honest_launch_report(case == "lonely")] * 2
+        judge = lambda: checks.judge_launch(reports, 2, *LAUNCH_ARGS)  # noqa: E731
+    reports[1] = altered(reports[1], path, value)
+    with pytest.raises(CheckFailed) as failed:
+        judge()
+    message = str(failed.value)
+    if case != "lonely":
+        assert message.startswith("rank 1:") and "rank 0:" not in message, message[:3000]
+    else:  # both ranks' commands never meet (rank 0 says so); rank 1's lonely run is damaged
+        assert message.startswith("rank 0: the commands") and "\nrank 1: " in message
+    assert len(message) < 8000, message[:3000]

@@ -1,15 +1,11 @@
-"""Hidden checks for chapter 03: more hostlist forms, any Mapping, bad node ids, 2 x 2 launch."""
+"""Hidden checks for chapter 03: more hostlist forms, any Mapping, bad node ids, 2 x 2 launch.
+Every check runs the visible module's Cases (the environments are passed as data; "frozen" asks
+the rank for a read-only Mapping), so it runs only in the trusted grader."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.exercises.torchrun_from_slurm import (
-    argv_cases_case,
-    error_cases_case,
-    launch_nodes,
-    slurm_env,
-)
-from ddpcourse.grading.exercises.ranks_from_env import FrozenEnv
 from ddpcourse.grading.checks import run_student
+from ddpcourse.grading.exercises.torchrun_from_slurm import ARGVS, ERRORS, launch_nodes, slurm_env
 
 CASES = [
     (slurm_env(3, 2, "node-[003-004],login1", 2), "train.py", 29500,
@@ -20,12 +16,12 @@ CASES = [
      "a plain host first, brackets later"),
     (slurm_env(2, 0, "c[9-10]"), "train.py", 29500, "no padding in 9-10"),
     (slurm_env(2, 1, "x[0010-0011]"), "train.py", 29500, "four-digit padding"),
-    (FrozenEnv(slurm_env(2, 1, "gpu[07-08]", 2)), "/scratch/job/train.py", 65000,
-     "a read-only Mapping"),
+    (slurm_env(2, 1, "gpu[07-08]", 2), "/scratch/job/train.py", 65000, "a read-only Mapping",
+     "frozen"),
     (dict(slurm_env(2, 1, "gpu[07-08]", 4), SLURM_PROCID="5", SLURM_LOCALID="0"), "train.py",
      29500, "SLURM_PROCID is not the node id"),
 ]
-ERRORS = [
+MISSING = [
     (slurm_env(2, 2, "gpu[07-08]"), ("SLURM_NODEID",), "SLURM_NODEID equal to SLURM_NNODES"),
     (slurm_env(2, -1, "gpu[07-08]"), ("SLURM_NODEID",), "a negative SLURM_NODEID"),
     ({"SLURM_NODEID": "0"}, ("SLURM_NNODES", "SLURM_JOB_NODELIST"), "only SLURM_NODEID"),
@@ -36,6 +32,6 @@ ERRORS = [
 
 def check_torchrun_argv(fn) -> None:
     __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
-    run_student(argv_cases_case, 1, fn, CASES, init_process_group=False, hide_internals=True)
-    run_student(error_cases_case, 1, fn, ERRORS, init_process_group=False, hide_internals=True)
-    launch_nodes(fn, 2, "127.0.0.[1-2]", gpus=2)  # 2 nodes x 2 processes, for real
+    run_student(ARGVS, 1, fn, CASES, init_process_group=False, hide_internals=True)
+    run_student(ERRORS, 1, fn, MISSING, init_process_group=False, hide_internals=True)
+    launch_nodes(fn, 2, "127.0.0.[1-2]", gpus=2, hide_internals=True)  # 2 x 2, for real
