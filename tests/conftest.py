@@ -61,3 +61,13 @@ def integrity_snapshot():
     from ddpcourse.grading import integrity
 
     integrity.snapshot()
+
+
+@pytest.fixture(scope="module")
+def host():
+    """One host of sandbox-side ranks for a test module, as the autograder starts per student
+    (unsandboxed here: the tests' own functions are trusted)."""
+    from autograder import trusted  # here: ranks that rebuild a test's function must not import it
+
+    with trusted.ObservationHost() as observation_host:
+        yield observation_host

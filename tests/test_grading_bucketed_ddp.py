@@ -6,18 +6,16 @@ solutions/05_allreduce/bucketed_ddp.nb.py."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from autograder import trusted
 from autograder.hidden import bucketed_ddp as hidden
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import bucketed_ddp as checks
-from ddpcourse.launcher import pickle_by_value
+from trusted_path import altered, submitted
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 
@@ -130,18 +128,6 @@ def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
 
 
-@pytest.fixture(scope="module")
-def host():
-    with trusted.ObservationHost() as host:
-        yield host
-
-
-def submitted(fn, host):
-    """``fn`` as the kernel leaves it: pickled by value (built by ``exec``, it has no module to be
-    imported from; a class travels by value too)."""
-    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
-
-
 def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
     broadcast_parameters, BucketedDDP = (submitted(fn, host) for fn in build())
     checks.check_broadcast_parameters_two_ranks(broadcast_parameters)
@@ -196,19 +182,6 @@ def honest_training_report(world_size, bucket_cap_mb, steps):
                        "other_collectives": [], "launched_at_input": [plan.early],
                        "launched_in_backward": len(plan.with_grad), "grads": grads}
                       for grads in reference.grads]}
-
-
-def altered(report, path, value):
-    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
-    an empty path replaces the whole report."""
-    if not path:
-        return value
-    report = copy.deepcopy(report)
-    inner = report
-    for key in path[:-1]:
-        inner = inner[key]
-    inner[path[-1]] = value
-    return report
 
 
 BROADCAST_DAMAGE = [

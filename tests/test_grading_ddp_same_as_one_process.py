@@ -5,7 +5,6 @@ observations come back. The exercise: solutions/01_why_ddp/ddp_same_as_one_proce
 
 from __future__ import annotations
 
-import copy
 import sys
 
 import cloudpickle
@@ -15,12 +14,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from autograder import trusted
 from autograder.hidden import ddp_same_as_one_process as hidden
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import ddp_same_as_one_process as checks
-from ddpcourse.launcher import pickle_by_value, run_ranks
+from ddpcourse.launcher import run_ranks
+from trusted_path import altered, submitted
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 # This module's functions travel to the ranks by value, as a notebook's do: a rank never imports
@@ -177,17 +176,6 @@ def the_solution():
     return namespace["train_with_ddp"]
 
 
-@pytest.fixture(scope="module")
-def host():
-    with trusted.ObservationHost() as host:
-        yield host
-
-
-def submitted(fn, host):
-    """``fn`` as the kernel leaves it: pickled by value (see the top of this module)."""
-    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
-
-
 def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
     fn = submitted(the_solution(), host)
     checks.check_train_with_ddp_matches_one_process(fn)
@@ -221,19 +209,6 @@ def honest_report(world_size, rank, rows=8, steps=5, lr=0.1, seed=0):
     return {"returned": checks.RETURNED_MODEL, "returned_module": True, "forward_calls": steps,
             "inputs": [x[rank * k:(rank + 1) * k].clone() for _ in range(steps)],
             "state": {name: t.clone() for name, t in reference.items()}}
-
-
-def altered(report, path, value):
-    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
-    an empty path replaces the whole report."""
-    if not path:
-        return value
-    report = copy.deepcopy(report)
-    inner = report
-    for key in path[:-1]:
-        inner = inner[key]
-    inner[path[-1]] = value
-    return report
 
 
 TRAINING_DAMAGE = [

@@ -5,7 +5,6 @@ ranks' observations come back. The exercise: solutions/00_setup/health_check.nb.
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 
@@ -14,12 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autograder import trusted
 from autograder.hidden import health_check as hidden
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import health_check as checks
-from ddpcourse.launcher import pickle_by_value
+from trusted_path import altered, submitted
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 # This module's functions travel to the ranks by value, as a notebook's do: a rank never imports
@@ -278,17 +276,6 @@ def the_solution():
     return namespace["bus_bandwidth"], namespace["all_reduce_self_test"]
 
 
-@pytest.fixture(scope="module")
-def host():
-    with trusted.ObservationHost() as host:
-        yield host
-
-
-def submitted(fn, host):
-    """``fn`` as the kernel leaves it: pickled by value (see the top of this module)."""
-    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
-
-
 def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
     bus_bandwidth, all_reduce_self_test = (submitted(fn, host) for fn in the_solution())
     checks.check_bus_bandwidth_all_reduce(bus_bandwidth)
@@ -340,19 +327,6 @@ def honest_self_test_report(world_size, rank, corruption):
             "type": "bool", "repr": "True", "lines": 0, "first_lines": [], "all_reduces": 1,
             "group_after": (world_size * torch.arange(4, dtype=torch.float64)
                             + world_size * (world_size - 1) / 2)}
-
-
-def altered(report, path, value):
-    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
-    an empty path replaces the whole report."""
-    if not path:
-        return value
-    report = copy.deepcopy(report)
-    inner = report
-    for key in path[:-1]:
-        inner = inner[key]
-    inner[path[-1]] = value
-    return report
 
 
 BANDWIDTH_DAMAGE = [

@@ -6,7 +6,6 @@ The exercise: solutions/02_dp_ddp_fsdp/memory_per_rank.nb.py."""
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 
@@ -15,12 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from autograder import trusted
 from autograder.hidden import memory_per_rank as hidden
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import memory_per_rank as checks
-from ddpcourse.launcher import pickle_by_value
+from trusted_path import altered, submitted
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 # This module's functions travel to the ranks by value, as a notebook's do: a rank never imports
@@ -132,17 +130,6 @@ def the_solution():
     return namespace["bytes_per_rank"]
 
 
-@pytest.fixture(scope="module")
-def host():
-    with trusted.ObservationHost() as host:
-        yield host
-
-
-def submitted(fn, host):
-    """``fn`` as the kernel leaves it: pickled by value (see the top of this module)."""
-    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
-
-
 def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
     fn = submitted(the_solution(), host)
     checks.check_bytes_per_rank_even_model(fn)
@@ -178,19 +165,6 @@ def honest_memory_report(world_size, rank):
 def honest_errors_report():
     return {"calls": [{"raised": "ValueError", "value_error": True, "message": "bad"}
                       for _ in checks.VISIBLE_ERRORS]}
-
-
-def altered(report, path, value):
-    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
-    an empty path replaces the whole report."""
-    if not path:
-        return value
-    report = copy.deepcopy(report)
-    inner = report
-    for key in path[:-1]:
-        inner = inner[key]
-    inner[path[-1]] = value
-    return report
 
 
 EVEN_DDP = ("predictions", "even/ddp")

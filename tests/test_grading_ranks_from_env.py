@@ -7,16 +7,14 @@ The exercise: solutions/04_process_groups/ranks_from_env.nb.py."""
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Mapping
 
-import cloudpickle
 import pytest
 
 from autograder.hidden import ranks_from_env as hidden
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import ranks_from_env as checks
-from ddpcourse.launcher import pickle_by_value
+from trusted_path import altered, submitted
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 
@@ -105,25 +103,6 @@ def test_the_visible_checks_catch(wrong, check, message):
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
 
 
-@pytest.fixture(scope="module")
-def host():
-    # imported here: the ranks of the tests above import this module to rebuild its functions,
-    # and autograder.trusted (nbformat, jsonschema) would cost each rank seconds
-    from autograder import trusted
-
-    with trusted.ObservationHost() as host:
-        yield host
-
-
-def submitted(fn, host):
-    """``fn`` as the kernel leaves it: pickled by value (a notebook's functions live in
-    ``__main__``; this module's cannot be imported by the host)."""
-    from autograder import trusted
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
-
-
 def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
     right = submitted(the_solution(), host)
     checks.check_ranks_from_env_reads_torchrun_and_slurm(right)
@@ -161,19 +140,6 @@ def honest_launched_reports(world_size=3):
     total = float(world_size * (world_size - 1) // 2)
     return [{"answer": [rank, rank, world_size], "repr": repr((rank, rank, world_size)),
              "raised": None, "group": {"total": total}} for rank in range(world_size)]
-
-
-def altered(report, path, value):
-    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
-    an empty path replaces the whole report."""
-    if not path:
-        return value
-    report = copy.deepcopy(report)
-    inner = report
-    for key in path[:-1]:
-        inner = inner[key]
-    inner[path[-1]] = value
-    return report
 
 
 DAMAGE = [

@@ -6,12 +6,9 @@ solutions/06_data_loading/sampler_by_hand.nb.py."""
 
 from __future__ import annotations
 
-import copy
 import math
 import random
-import sys
 
-import cloudpickle
 import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
@@ -19,7 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 from autograder.hidden import sampler_by_hand as hidden
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import sampler_by_hand as checks
-from ddpcourse.launcher import pickle_by_value
+from trusted_path import altered, submitted
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 
@@ -200,25 +197,6 @@ def test_the_sampler_behaves_as_the_task_says():
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
 
 
-@pytest.fixture(scope="module")
-def host():
-    # imported here, not above: the ranks of the tests above import this module to rebuild its
-    # functions, and autograder.trusted (nbformat, jsonschema) would cost each rank seconds
-    from autograder import trusted
-
-    with trusted.ObservationHost() as host:
-        yield host
-
-
-def submitted(fn, host):
-    """``fn`` as the kernel leaves it: pickled by value (a notebook's functions live in
-    ``__main__``; this module's cannot be imported by the host)."""
-    from autograder import trusted
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
-
-
 def pads_with_zeros_and_rebinds_the_checks(dataset_len, num_replicas, rank, **kwargs):
     """Wrong padding, and every comparison of the check module rebound in its rank."""
     import ddpcourse.grading.checks as grading
@@ -271,19 +249,6 @@ def honest_reports(world_size=2):
 
 def honest_error_reports():
     return [checks.observe_errors(0, 1, make(), checks.BAD_RANKS)] * 2
-
-
-def altered(report, path, value):
-    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
-    an empty path replaces the whole report."""
-    if not path:
-        return value
-    report = copy.deepcopy(report)
-    inner = report
-    for key in path[:-1]:
-        inner = inner[key]
-    inner[path[-1]] = value
-    return report
 
 
 DAMAGE = [

@@ -9,16 +9,14 @@ from __future__ import annotations
 import copy
 import json
 import re
-import sys
 from collections.abc import Mapping
 
-import cloudpickle
 import pytest
 
 from autograder.hidden import torchrun_from_slurm as hidden
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import torchrun_from_slurm as checks
-from ddpcourse.launcher import pickle_by_value
+from trusted_path import altered, submitted
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 
@@ -159,25 +157,6 @@ def returns_a_tuple_and_rebinds_the_judge(env, script, port=29500):
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
 
 
-@pytest.fixture(scope="module")
-def host():
-    # imported here: the ranks of the tests above import this module to rebuild its functions,
-    # and autograder.trusted (nbformat, jsonschema) would cost each rank seconds
-    from autograder import trusted
-
-    with trusted.ObservationHost() as host:
-        yield host
-
-
-def submitted(fn, host):
-    """``fn`` as the kernel leaves it: pickled by value (a notebook's functions live in
-    ``__main__``; this module's cannot be imported by the host)."""
-    from autograder import trusted
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
-
-
 def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
     right = submitted(the_solution(), host)
     checks.check_torchrun_argv_parses(right)
@@ -241,19 +220,6 @@ def honest_launch_report(lonely=False):
              {"rank": node, "world_size": 2, "sum": 1.0, "group_rank": str(node),
               "local_rank": "0", "store": f"localhost:{port}"})]}
         for node in range(nnodes)]
-    return report
-
-
-def altered(report, path, value):
-    """A deep copy of ``report`` with the field at ``path`` (keys and indexes) set to ``value``;
-    an empty path replaces the whole report."""
-    if not path:
-        return value
-    report = copy.deepcopy(report)
-    inner = report
-    for key in path[:-1]:
-        inner = inner[key]
-    inner[path[-1]] = value
     return report
 
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 
-import cloudpickle
 
 import pytest
 import torch
@@ -21,7 +19,8 @@ from autograder.sources import SOLUTIONS
 from ddpcourse.grading import frames
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import allreduce_by_hand as checks
-from ddpcourse.launcher import RankTimeoutError, pickle_by_value
+from ddpcourse.launcher import RankTimeoutError
+from trusted_path import submitted
 
 SOURCE = SOLUTIONS / "05_allreduce" / "allreduce_by_hand.ipynb"
 
@@ -51,19 +50,6 @@ def fakes_the_report(model):
     case_module.type_name = lambda value: "None"
     for parameter in model.parameters():
         parameter.grad = None
-
-
-@pytest.fixture(scope="module")
-def host():
-    with trusted.ObservationHost() as host:
-        yield host
-
-
-def submitted(fn, host):
-    """``fn`` as the kernel leaves it: pickled by value (a notebook's functions live in
-    ``__main__``; these live in this test module, which the host cannot import)."""
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
 
 
 def test_a_correct_function_passes_visible_and_hidden_checks_run_here(host):
