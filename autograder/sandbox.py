@@ -32,6 +32,7 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,9 @@ class Sandbox:
     max_file_bytes: int = 64 * MiB  # RLIMIT_FSIZE: a bigger write gets SIGXFSZ / EFBIG
     max_processes: int = 4096  # RLIMIT_NPROC (tasks: processes and threads), see below
     tmpfs_bytes: int = 1024 * MiB  # each of /tmp and /dev/shm, held in memory
+    # Bound back in, read-only, over the private /tmp, /dev/shm and /run: the repository and
+    # the Python running it, wherever they are (a checkout in /tmp is common in CI).
+    readable: tuple[Path, ...] = field(default_factory=lambda: _runtime_paths())
 
     def __post_init__(self):
         for hide in self.hidden:
@@ -98,6 +102,9 @@ class Sandbox:
                "--size", str(self.tmpfs_bytes), "--tmpfs", "/tmp",
                "--size", str(self.tmpfs_bytes), "--tmpfs", "/dev/shm",
                "--tmpfs", "/run"]
+        for path in dict.fromkeys(Path(p).resolve() for p in self.readable):
+            if path.exists() and _is_under(path, PRIVATE_MOUNTS):
+                cmd += ["--ro-bind", str(path), str(path)]
         # Order matters: hide, bind the writable folders back in (bwrap makes their mount points
         # in the still-writable tmpfs), then make the hiding tmpfs read-only.
         for path in hidden:
@@ -128,6 +135,20 @@ class Sandbox:
         if nproc_counts_per_sandbox():
             limits.append(f"--nproc={self.max_processes}")
         return cmd + ["--", "prlimit", *limits, "--", *argv]
+
+
+PRIVATE_MOUNTS = ("/tmp", "/dev/shm", "/run")
+
+
+def _is_under(path: Path, roots: tuple[str, ...]) -> bool:
+    return any(path == Path(root) or Path(root) in path.parents for root in roots)
+
+
+def _runtime_paths() -> tuple[Path, ...]:
+    """The repository and the Python that runs it (virtual environment and base install)."""
+    repository = Path(__file__).resolve().parent.parent
+    return (repository, Path(sys.prefix), Path(sys.base_prefix),
+            Path(sys.executable).resolve().parent.parent)
 
 
 @functools.cache

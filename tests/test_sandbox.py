@@ -266,6 +266,26 @@ def test_the_file_size_limit_stops_a_writer(tmp_path):
     assert f"--fsize={64 << 20}" in Sandbox().command(["true"])
 
 
+@needs_bwrap
+def test_a_checkout_under_tmp_stays_readable_inside(tmp_path):
+    """/tmp is private inside; a repository or Python installed under it is bound back in
+    read-only (CI often checks out under /tmp), the rest of /tmp stays out of sight."""
+    checkout, elsewhere = tmp_path / "checkout", tmp_path / "elsewhere"
+    for folder in (checkout, elsewhere):
+        folder.mkdir()
+        (folder / "file.txt").write_text(folder.name)
+    sandbox = Sandbox(readable=(checkout,))
+    reader = ("import sys\nfor path in sys.argv[1:]:\n"
+              "    try: print(open(path).read())\n"
+              "    except OSError as e: print(type(e).__name__)\n"
+              "try: open(sys.argv[1], 'a')\nexcept OSError as e: print('write', type(e).__name__)\n")
+    done = subprocess.run(sandbox.command([sys.executable, "-c", reader,
+                                           str(checkout / "file.txt"), str(elsewhere / "file.txt")]),
+                          capture_output=True, text=True, timeout=30)
+    assert done.stdout.split() == ["checkout", "FileNotFoundError", "write", "OSError"], done.stderr
+    assert str(REPO) in " ".join(Sandbox().command(["true"])) or not str(REPO).startswith("/tmp")
+
+
 def _spawner(count: int) -> list[str]:
     # Prints how many `sleep`s it started; dash stops at the first fork that fails.
     return ["sh", "-c", f"n=0; while [ $n -lt {count} ]; do sleep 2 & n=$((n+1)); echo $n; done;"
