@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from fake_class import EXPECTED, write_class
@@ -191,8 +192,10 @@ def test_taking_over_the_kernel_changes_no_verdict(graded):
 def test_no_submission_can_write_what_the_grader_or_another_student_reads(graded):
     rows, out, _, _, changed = graded
     assert changed == set(), f"grading changed repository files: {sorted(changed)}"
-    wanda = (out / "work/wanda/autograded/wanda/05_allreduce/allreduce_by_hand.ipynb").read_text()
-    assert "WROTE" not in wanda and "OSError" in wanda
+    notebook = out / "work/wanda/autograded/wanda/05_allreduce/allreduce_by_hand.ipynb"
+    printed = "".join(output.get("text", "") for cell in nbformat.read(notebook, as_version=4).cells
+                      if cell.cell_type == "code" for output in cell.outputs)
+    assert "'OSError'" in printed and "WROTE" not in printed  # every attempt refused
     assert "tampered" not in (out / "grades.csv").read_text()
     assert float(rows["wanda"]["score"]) == 13  # her honest code, graded as earned
 
