@@ -196,7 +196,7 @@ def test_no_submission_can_write_what_the_grader_or_another_student_reads(graded
     printed = "".join(output.get("text", "") for cell in nbformat.read(notebook, as_version=4).cells
                       if cell.cell_type == "code" for output in cell.outputs)
     assert "'OSError'" in printed and "WROTE" not in printed  # every attempt refused
-    assert "tampered" not in (out / "grades.csv").read_text()
+    assert "# tampered" not in (out / "grades.csv").read_text()  # the line her cell appends
     assert float(rows["wanda"]["score"]) == 13  # her honest code, graded as earned
 
 
