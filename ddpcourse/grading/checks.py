@@ -245,6 +245,29 @@ def judge_each_rank(observations: Sequence[Any], judge_rank: Callable[[int, Any]
         raise CheckFailed("\n".join(wrong))
 
 
+def cut_text(text: Any, limit: int) -> str:
+    """``str(text)`` with at most ``limit`` characters (and "..." when cut)."""
+    text = str(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def safe_text(make: Callable[[], Any], limit: int) -> str:
+    """``make()`` as text, or why not: str() and repr() of a student's object run its code."""
+    try:
+        return cut_text(make(), limit)
+    except Exception as exc:  # noqa: BLE001 - the text is only shown
+        return f"(cannot be shown: {type(exc).__name__})"
+
+
+def reported_calls(observation: Any, count: int) -> list:
+    """The ``calls`` a rank reported, which must be ``count``: one per call the case made."""
+    calls = observed(observation, "calls", list)
+    if len(calls) != count:
+        raise CheckFailed(f"the rank's report has {len(calls)} calls instead of {count} (did the "
+                          "code replace the check's own functions?)")
+    return calls
+
+
 def type_name(value: Any) -> str:
     """How an observation names a returned value (never the object itself: it could be the
     student's)."""

@@ -12,7 +12,6 @@ to build the reference: the mean of the gradients, the sum of the tensors.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ddpcourse.grading.checks import (Case, CheckFailed, expect_close, judge_each_rank, observed,
@@ -47,7 +46,8 @@ class GradModel(nn.Module):
         return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
 
 
-def model_after_backward(rank, dtype_name="float32", awkward=False, tied=False, seed=0) -> nn.Module:
+def model_after_backward(rank, dtype_name="float32", awkward=False, tied=False,
+                         seed=0) -> nn.Module:
     """Rank ``rank``'s model right after its backward: the same weights on every rank, gradients
     from the rank's own data."""
     dtype = DTYPES[dtype_name]

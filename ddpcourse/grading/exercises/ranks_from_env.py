@@ -25,7 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpcourse.grading.checks import Case, CheckFailed, judge_each_rank, observed, run_student
+from ddpcourse.grading.checks import (Case, CheckFailed, cut_text, judge_each_rank, observed,
+                                      reported_calls, run_student, safe_text)
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -51,16 +52,11 @@ class FrozenEnv(Mapping):
 
 
 def _cut(text, limit: int = MAX_TEXT) -> str:
-    text = str(text)
-    return text if len(text) <= limit else text[:limit] + "..."
+    return cut_text(text, limit)
 
 
 def _safe_text(make) -> str:
-    """``make()`` as text, or why not: str() and repr() of a student's object run its code."""
-    try:
-        return _cut(make())
-    except Exception as exc:  # noqa: BLE001 - the text is only shown
-        return f"(cannot be shown: {type(exc).__name__})"
+    return safe_text(make, MAX_TEXT)
 
 
 # --- in the rank: what the call gave, as data --------------------------------------------------
@@ -149,14 +145,6 @@ def observe_launched(rank, world_size, ranks_from_env, scheduler, token):
 # --- in the judge ------------------------------------------------------------------------------
 
 
-def _calls(observation, count: int) -> list:
-    calls = observed(observation, "calls", list)
-    if len(calls) != count:
-        raise CheckFailed(f"the rank's report has {len(calls)} calls instead of {count} (did the "
-                          "code replace the check's own functions?)")
-    return calls
-
-
 def _reported_exception(call) -> dict | None:
     raised = observed(call, "raised", (dict, type(None)))
     if raised is None:
@@ -199,7 +187,8 @@ def expect_value_error(call, must_name: tuple, what: str) -> None:
 
 def judge_environments(observations, world_size, cases):
     def judge_rank(rank, observation):
-        for call, (kind, _, expected, what, *_) in zip(_calls(observation, len(cases)), cases):
+        calls = reported_calls(observation, len(cases))
+        for call, (kind, _, expected, what, *_) in zip(calls, cases):
             if kind == "ranks":
                 expect_ranks(call, tuple(expected), what)
             else:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpcourse.grading.checks import (Case, CheckFailed, judge_each_rank, observed, run_student,
-                                      type_name)
+from ddpcourse.grading.checks import (Case, CheckFailed, cut_text, judge_each_rank, observed,
+                                      reported_calls, run_student, safe_text, type_name)
+
 from ddpcourse.grading.forbidden import call_watching
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
@@ -51,16 +52,11 @@ def _is_index_list(value) -> bool:
 
 
 def _cut(text, limit: int = MAX_TEXT) -> str:
-    text = str(text)
-    return text if len(text) <= limit else text[:limit] + "..."
+    return cut_text(text, limit)
 
 
 def _safe_text(make) -> str:
-    """``make()`` as text, or why not: str() of a student's object runs the student's code."""
-    try:
-        return _cut(make())
-    except Exception as exc:  # noqa: BLE001 - the text is only shown
-        return f"(cannot be shown: {type(exc).__name__})"
+    return safe_text(make, MAX_TEXT)
 
 
 # --- in the rank: what the call gave, as data --------------------------------------------------
@@ -113,14 +109,6 @@ def _first_difference(got: list, expected: list) -> str:
 
 def _preview(values: list, n: int = 14) -> str:
     return "[" + ", ".join(map(str, values[:n])) + (", ...]" if len(values) > n else "]")
-
-
-def _calls(observation, count: int) -> list:
-    calls = observed(observation, "calls", list)
-    if len(calls) != count:
-        raise CheckFailed(f"the rank's report has {len(calls)} calls instead of {count} (did the "
-                          "code replace the check's own functions?)")
-    return calls
 
 
 def _reported_indices(call) -> list[int] | None:
@@ -191,7 +179,7 @@ def judge_shards(observations, world_size, cases):
     reports: list = []
 
     def read_rank(rank, observation):
-        reports.append(_calls(observation, len(cases)))
+        reports.append(reported_calls(observation, len(cases)))
 
     judge_each_rank(observations, read_rank)
     for number, (dataset_len, kwargs) in enumerate(cases):
@@ -217,7 +205,7 @@ def judge_errors(observations, world_size, errors):
             raise RuntimeError(f"DistributedSampler accepted {args}")
 
     def judge_rank(rank, observation):
-        for call, (args, what) in zip(_calls(observation, len(errors)), errors):
+        for call, (args, what) in zip(reported_calls(observation, len(errors)), errors):
             shown = f"{_shown(tuple(args), {})} ({what})"
             _judge_hook(call, _shown(tuple(args), {}))
             raised = _reported_exception(call)

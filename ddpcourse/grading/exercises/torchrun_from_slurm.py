@@ -43,8 +43,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ddpcourse.dist_env import free_port
-from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, judge_each_rank,
-                                      observed, run_student, type_name)
+from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, cut_text,
+                                      judge_each_rank, observed, reported_calls, run_student,
+                                      safe_text, type_name)
+
 from ddpcourse.launcher import run_bounded
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
@@ -95,8 +97,7 @@ FLAGS = {"nnodes": "--nnodes", "node_rank": "--node-rank", "nproc_per_node": "--
 
 
 def _cut(text, limit: int = MAX_TEXT) -> str:
-    text = str(text)
-    return text if len(text) <= limit else text[:limit] + "..."
+    return cut_text(text, limit)
 
 
 def _cut_tail(text: str, limit: int = MAX_TEXT) -> str:
@@ -104,11 +105,7 @@ def _cut_tail(text: str, limit: int = MAX_TEXT) -> str:
 
 
 def _safe_text(make) -> str:
-    """``make()`` as text, or why not: str() and repr() of a student's object run its code."""
-    try:
-        return _cut(make())
-    except Exception as exc:  # noqa: BLE001 - the text is only shown
-        return f"(cannot be shown: {type(exc).__name__})"
+    return safe_text(make, MAX_TEXT)
 
 
 def parse_torchrun(argv: list[str], what: str):
@@ -217,14 +214,6 @@ def observe_errors(rank, world_size, fn, cases):
 # --- in the judge ------------------------------------------------------------------------------
 
 
-def _calls(observation, count: int) -> list:
-    calls = observed(observation, "calls", list)
-    if len(calls) != count:
-        raise CheckFailed(f"the rank's report has {len(calls)} calls instead of {count} (did the "
-                          "code replace the check's own functions?)")
-    return calls
-
-
 def _reported_exception(call) -> dict | None:
     raised = observed(call, "raised", (dict, type(None)))
     if raised is None:
@@ -256,7 +245,8 @@ def returned_argv(call, what: str) -> list[str]:
 
 def judge_argvs(observations, world_size, cases):
     def judge_rank(rank, observation):
-        for call, (env, script, port, what, *_) in zip(_calls(observation, len(cases)), cases):
+        calls = reported_calls(observation, len(cases))
+        for call, (env, script, port, what, *_) in zip(calls, cases):
             label = f"{what} [{describe_env(env)}]"
             argv = returned_argv(call, label)
             compare_args(parse_torchrun(argv, label), expected_args(env, script, port or 29500),
@@ -267,7 +257,7 @@ def judge_argvs(observations, world_size, cases):
 
 def judge_errors(observations, world_size, cases):
     def judge_rank(rank, observation):
-        for call, (env, must_name, what) in zip(_calls(observation, len(cases)), cases):
+        for call, (env, must_name, what) in zip(reported_calls(observation, len(cases)), cases):
             label = f"{what} [{describe_env(env)}]"
             raised = _reported_exception(call)
             if raised is None:
@@ -483,7 +473,7 @@ def worker_reports(observation, nnodes: int, nodelist: str, gpus: int | None,
     if not 0 < len(script) <= MAX_TEXT:
         raise CheckFailed("the rank's report has a 'script' that is not a path")
     envs = node_envs(nnodes, nodelist, gpus)
-    calls = _calls(observation, nnodes)
+    calls = reported_calls(observation, nnodes)
     argvs = [returned_argv(call, f"node {i} [{describe_env(env)}]")
              for i, (call, env) in enumerate(zip(calls, envs))]
     parsed = [parse_torchrun(argv, f"node {i}") for i, argv in enumerate(argvs)]
