@@ -110,6 +110,10 @@ def _shape_text(item: dict) -> str:
 class Broker:
     """Routes, performs and logs the communication of ``world_size`` relay ranks.
 
+    The broker makes one socket pair per rank (:meth:`rank_fd`), unless ``sockets`` gives it
+    rank ``r``'s already connected socket at index ``r`` (ranks that connected to a listening
+    socket of the caller's, from sandboxes of their own).
+
     ``timeout``: seconds an operation may wait for its peers before the group fails.
     ``max_message_bytes``: largest payload of one request. ``max_held_bytes`` and
     ``max_held_requests``: what one rank may keep waiting in the broker at once (unmatched sends,
@@ -119,9 +123,12 @@ class Broker:
 
     def __init__(self, world_size: int, timeout: float = 60.0, *,
                  max_message_bytes: int = 64 << 20, max_held_bytes: int = 256 << 20,
-                 max_held_requests: int = 10_000, max_logged: int = 1_000_000):
+                 max_held_requests: int = 10_000, max_logged: int = 1_000_000,
+                 sockets: list[socket.socket] | None = None):
         if world_size < 1:
             raise ValueError("world_size must be at least 1")
+        if sockets is not None and len(sockets) != world_size:
+            raise ValueError(f"{len(sockets)} sockets for {world_size} ranks")
         self.world_size = world_size
         self.timeout = float(timeout)
         self.max_message_bytes = max_message_bytes
@@ -129,11 +136,16 @@ class Broker:
         self.max_held_requests = max_held_requests
         self.max_logged = max_logged
         self._max_out_bytes = max_held_bytes + world_size * max_message_bytes
-        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(world_size)]
+        if sockets is None:
+            pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                     for _ in range(world_size)]
+        else:  # connections the caller accepted, one per rank (ranks in sandboxes of their own)
+            pairs = [(sock, None) for sock in sockets]
         self._conns = [_Conn(rank, ours) for rank, (ours, _) in enumerate(pairs)]
         self._rank_ends: list[socket.socket | None] = [theirs for _, theirs in pairs]
         for theirs in self._rank_ends:
-            theirs.set_inheritable(True)
+            if theirs is not None:
+                theirs.set_inheritable(True)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._selector = selectors.DefaultSelector()

@@ -54,7 +54,11 @@ class HostFailed(RuntimeError):
 
 class ObservationHost:
     """One ``observation_host`` process for one submission, started with ``wrap(argv)`` (the
-    sandbox's command line; identity when grading unsandboxed). Restarted after a failure."""
+    sandbox's command line; identity when grading unsandboxed). Restarted after a failure.
+
+    Start it from a thread that outlives it (the main thread): the sandbox dies with the thread
+    that started it (bwrap's ``--die-with-parent`` is the parent-death signal, which follows the
+    parent thread)."""
 
     def __init__(self, wrap: Callable[[list[str]], list[str]] = list, env: dict | None = None,
                  log_path: Path | None = None):
@@ -85,19 +89,33 @@ class ObservationHost:
         with self.lock:
             self._start_if_needed()
 
+    def wait_ready(self, timeout: float = HOST_MARGIN_S) -> None:
+        """Start the host if needed and wait until it is warm (it answers a ping only then);
+        HostFailed if it does not answer within ``timeout``."""
+        with self.lock:
+            self._start_if_needed()
+            header, _ = self._ask({"ping": True}, b"", timeout)
+        if header.get("status") != "ready":
+            raise HostFailed(f"the sandboxed ranks' host answered {str(header)[:200]} to a ping")
+
     def _start_if_needed(self) -> None:
         if self.process is None or self.process.poll() is not None:
             self.close()
             self._start()
 
     def observe(self, observe, world_size: int, args: tuple, payload: bytes, timeout: float,
-                init_process_group: bool) -> list:
+                init_process_group: bool, relay: dict | None = None) -> list:
+        """Every rank's observation. With ``relay`` ({"rank": r, "socket": path}) the host runs
+        only rank ``r`` and answers for it alone (a list of one; failures say rank 0)."""
         name = f"{observe.__module__}:{observe.__qualname__}"
         if not name.startswith(CHECKS_PACKAGE + "."):
             raise ValueError(f"{name} is not a case of {CHECKS_PACKAGE}")
         encoded_args = tensors_to_bytes(args)
         request = {"observe": name, "world_size": world_size, "timeout": timeout,
                    "init_process_group": init_process_group, "args_bytes": len(encoded_args)}
+        if relay is not None:
+            request["relay"] = relay
+        ranks_here = 1 if relay is not None else world_size
         with self.lock:
             self._start_if_needed()
             reply = self._ask(request, encoded_args + payload, timeout + HOST_MARGIN_S)
@@ -105,12 +123,12 @@ class ObservationHost:
         status = header.get("status")
         if status == "ok":
             observations = tensors_from_bytes(body)
-            if not isinstance(observations, list) or len(observations) != world_size:
+            if not isinstance(observations, list) or len(observations) != ranks_here:
                 raise HostFailed(f"the sandbox sent {type(observations).__name__} instead of "
-                                 f"{world_size} observations")
+                                 f"{ranks_here} observations")
             return observations
         if status == "failed":
-            raise rebuild_rank_error(header, world_size)
+            raise rebuild_rank_error(header, ranks_here)
         raise HostFailed(f"the sandbox could not run the case: {str(header.get('message'))[:2000]}")
 
     def _ask(self, request: dict, body: bytes, deadline_s: float) -> tuple[dict, bytes]:
@@ -180,13 +198,22 @@ def _text(value, limit: int = _TEXT_LIMIT) -> str:
 
 
 class SubmittedFunction(RemoteFunction):
-    """A student's function as the kernel left it (pickled bytes), run only in the sandbox."""
+    """A student's function as the kernel left it (pickled bytes), run only in the sandbox.
 
-    def __init__(self, name: str, payload: bytes, host: ObservationHost):
-        self.__name__, self.payload, self.host = name, payload, host
+    Cases that audit the ranks' communication run in ``relayed`` (one sandbox per rank, a broker
+    here); grading one without it is an error, not a quieter audit."""
 
-    def observe(self, observe, world_size, args, timeout, init_process_group):
+    def __init__(self, name: str, payload: bytes, host: ObservationHost, relayed=None):
+        self.__name__, self.payload, self.host, self.relayed = name, payload, host, relayed
+
+    def observe(self, observe, world_size, args, timeout, init_process_group,
+                audit_traffic=False):
         try:
+            if audit_traffic:
+                if self.relayed is None:
+                    raise ValueError(f"{observe.__qualname__} audits communication: grade it with "
+                                     "relayed ranks (autograder.relayed.RelayedRanks)")
+                return self.relayed.observe(observe, world_size, args, self.payload, timeout)
             return self.host.observe(observe, world_size, args, self.payload, timeout,
                                      init_process_group)
         except HostFailed as exc:
@@ -247,9 +274,10 @@ class CellVerdict:
 
 
 def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
-                host: ObservationHost) -> list[CellVerdict]:
+                host: ObservationHost, relayed=None) -> list[CellVerdict]:
     """Run every graded cell's checks on the submitted functions; a cell scores its points only
-    if all of its checks pass."""
+    if all of its checks pass. ``relayed``: the submission's
+    :class:`~autograder.relayed.RelayedRanks`, for the cases that audit communication."""
     verdicts = []
     for cell in cells:
         message = ""
@@ -259,7 +287,8 @@ def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
                 message = (f"{', '.join(missing)} was not defined when the notebook finished (or "
                            "could not be sent to the ranks)")
                 break
-            functions = [SubmittedFunction(name, payloads[name], host) for name in call.arguments]
+            functions = [SubmittedFunction(name, payloads[name], host, relayed)
+                         for name in call.arguments]
             check = getattr(importlib.import_module(call.module), call.check)
             try:
                 check(*functions)

@@ -12,10 +12,11 @@ that says so, so no student silently disappears. The result goes to ``result.jso
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import shutil
-from dataclasses import dataclass
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from traitlets.config import Config
 from autograder import sandbox, trusted
 from autograder.nbgrader_api import REPO, api_for, check, load_config
 from autograder.notices import write_notice
+from autograder.relayed import RelayedRanks
 from autograder.sandboxed_kernel import SandboxedKernelManager
 from autograder.tamper_scan import locked_ids_of, scan_notebook
 from ddpcourse.grading.notebook_guard import GRADED_FUNCTIONS, GRADED_FUNCTIONS_DIR
@@ -162,7 +164,7 @@ def _graded_functions(folder: Path) -> dict[str, bytes]:
             and path.stat().st_size <= MAX_FUNCTION_BYTES}
 
 
-@dataclass
+@dataclasses.dataclass
 class _Prepared:
     """One submission, ready for nbgrader: its folders, configuration and what the scan found."""
 
@@ -235,17 +237,32 @@ def _prepare(job: dict) -> _Prepared:
                      sandbox_warning, kernel_box, host_box, started)
 
 
+def _rank_host(prepared: _Prepared, rank: int, relay_dir: Path) -> trusted.ObservationHost:
+    """The host of rank ``rank`` of communication-audited cases: a sandbox of its own (own
+    network, /tmp and processes; its own folder the only one it writes), which sees the folder of
+    its broker socket and no other rank's."""
+    folder = prepared.work / f"rank{rank}"
+    folder.mkdir(exist_ok=True)
+    box = prepared.host_box
+    if box is not None:
+        box = dataclasses.replace(box, writable=(folder,), env={"MPLCONFIGDIR": str(folder)},
+                                  readable=(*box.readable, relay_dir))
+    return trusted.ObservationHost(wrap=box.command if box else list,
+                                   log_path=prepared.work / f"rank{rank}.log")
+
+
 def grade_one(job: dict) -> dict:
     prepared = _prepare(job)
     box = prepared.host_box
     with trusted.ObservationHost(wrap=box.command if box else list,
-                                 log_path=prepared.work / "host.log") as host:
+                                 log_path=prepared.work / "host.log") as host, \
+            RelayedRanks(functools.partial(_rank_host, prepared)) as relayed:
         if prepared.graded_outside:
             host.start()  # imports torch and warms its ranks while the kernel runs the notebook
-        return _grade(prepared, host)
+        return _grade(prepared, host, relayed)
 
 
-def _grade(prepared: _Prepared, host: trusted.ObservationHost) -> dict:
+def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedRanks) -> dict:
     student, assignment, config = prepared.student, prepared.assignment, prepared.config
     submitted, autograded, kernel_dir = prepared.submitted, prepared.autograded, prepared.kernel_dir
     api = api_for(config)
@@ -262,7 +279,7 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost) -> dict:
         notebook = autograded / f"{slug}.ipynb"
         if notebook.exists():
             functions = _graded_functions(prepared.work / "graded_functions" / slug)
-            verdicts = trusted.grade_cells(cells, functions, host)
+            verdicts = trusted.grade_cells(cells, functions, host, relayed)
             trusted.record_verdicts(config.CourseDirectory.db_url, assignment, slug, student,
                                     verdicts)
             trusted.annotate(notebook, verdicts)

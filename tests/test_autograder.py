@@ -116,11 +116,10 @@ def test_a_wrong_answer_loses_exactly_the_points_of_its_cells(graded):
 def test_tampering_gains_nothing_and_is_flagged(graded):
     rows = graded[0]
     mallory = rows["mallory"]
-    assert "dist.all_reduce" in mallory["flags"] and "run_ranks" in mallory["flags"]
+    assert all(call in mallory["flags"] for call in ("dist.all_reduce", "run_ranks", "setattr"))
     # the edited test cell was restored and the deleted one re-added: both graded, both 0
     assert mallory["test-average-gradients-two-ranks"] == "0"
     assert mallory["test-ring-allreduce-world-sizes"] == "0"
-    assert "setattr" in rows["trent"]["flags"]
     assert rows["kenji"]["flags"] == ""  # shadowing run_ranks is harmless: tests re-import it
 
 
@@ -170,23 +169,32 @@ def test_grading_the_same_submissions_again_gives_the_same_scores(graded, tmp_pa
 
 # --- hostile submissions (tests/fake_class/hostile.py) -------------------------------------------
 
-HOSTILE = ["rebecca", "kenji", "wanda", "fiona", "rhea"]
+HOSTILE = ["kenji", "wanda", "fiona", "threader"]
 
 
 def test_rebinding_the_checks_inside_the_ranks_gains_nothing(graded):
     rows = graded[0]
-    rebecca = rows["rebecca"]  # empty average_gradients that rebinds the checks; a correct ring
-    assert all(rebecca[c] == "0" for c in AVERAGE_CELLS)
-    assert [rebecca[c] for c in RING_CELLS] == ["2", "2", "2", "3"]
-    assert rebecca["flags"] == ""  # aliases the static scan cannot follow: the verdicts did it
+    kenji = rows["kenji"]  # empty average_gradients that rebinds the checks; a correct ring
+    assert all(kenji[c] == "0" for c in AVERAGE_CELLS)
+    assert [kenji[c] for c in RING_CELLS] == ["2", "2", "2", "3"]
+    assert kenji["flags"] == ""  # aliases the static scan cannot follow: the verdicts did it
 
 
 def test_taking_over_the_kernel_changes_no_verdict(graded):
     rows, out = graded[:2]
-    kenji = rows["kenji"]  # every later cell wrapped in try/except, no exception reported
+    kenji = rows["kenji"]  # also wraps every later cell in try/except, no exception reported
     assert all(kenji[c] == "0" for c in AVERAGE_CELLS)
     page = (out / "feedback/kenji/05_allreduce/allreduce_by_hand.html").read_text()
     assert "Graded outside your notebook" in page and "FAILED (0 of 2 points)" in page
+
+
+def test_collectives_behind_the_in_rank_audit_are_caught(graded):
+    rows, out = graded[:2]
+    threader = rows["threader"]  # its own gloo group, else all_reduce from a thread + dummy sends
+    assert [threader[c] for c in AVERAGE_CELLS] == ["2", "1", "1"]
+    assert all(threader[c] == "0" for c in RING_CELLS)
+    page = (out / "feedback/threader/05_allreduce/allreduce_by_hand.html").read_text()
+    assert "point-to-point calls only" in page and "all_reduce" in page
 
 
 def test_no_submission_can_write_what_the_grader_or_another_student_reads(graded):
@@ -213,7 +221,7 @@ def test_output_is_capped_below_the_kernels_streams(graded):
 
 def test_hidden_checks_solutions_and_history_cannot_be_read(graded):
     rows, out = graded[:2]
-    page = (out / "feedback/rhea/05_allreduce/allreduce_by_hand.html").read_text()
+    page = (out / "feedback/wanda/05_allreduce/allreduce_by_hand.html").read_text()
     for name in ("allreduce_by_hand.py", "allreduce_by_hand.nb.py", "allreduce_by_hand.ipynb"):
         assert f"cannot read {name}" in page
     assert "cannot import the hidden checks" in page
@@ -223,4 +231,4 @@ def test_hidden_checks_solutions_and_history_cannot_be_read(graded):
             assert line.strip() not in page
     solution = (ROOT / "solutions/05_allreduce/allreduce_by_hand.nb.py").read_text()
     assert "### BEGIN SOLUTION" not in page and solution[-400:] not in page
-    assert float(rows["rhea"]["score"]) == 13
+    assert float(rows["wanda"]["score"]) == 13

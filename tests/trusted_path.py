@@ -15,16 +15,17 @@ import cloudpickle
 from ddpcourse.launcher import pickle_by_value
 
 
-def submitted(fn, host):
+def submitted(fn, host, relayed=None):
     """``fn`` as the kernel leaves it: pickled by value. A notebook's functions live in
     ``__main__``; a test module's would be pickled by reference, and the host cannot import
-    test modules, so those are sent by value too."""
+    test modules, so those are sent by value too. ``relayed``: the ranks of communication-
+    audited cases (autograder/relayed.py)."""
     from autograder import trusted  # here: ranks rebuilding a test's function must not import it
 
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
     if module is not None and module.__name__.split(".")[-1].startswith("test_"):
         cloudpickle.register_pickle_by_value(module)
-    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host)
+    return trusted.SubmittedFunction(fn.__name__, pickle_by_value(fn), host, relayed)
 
 
 def altered(report, path, value):

@@ -51,10 +51,25 @@ class Case:
     by rank, recomputes the reference on its own and raises :class:`CheckFailed` when they differ.
     Both must be module-level functions of ``ddpcourse.grading.exercises`` (the sandboxed ranks
     import ``observe`` by name).
+
+    ``audit_traffic``: the case judges the ranks' communication. Its ``observe`` returns a dict
+    whose ``"traffic"`` entry is what a :class:`~ddpcourse.grading.comm_audit.CommAudit` saw in
+    the rank (:func:`traffic_seen`), which is trustworthy only in the student's own notebook: a
+    thread or a C++ process-group object escapes it. When a class is graded, each rank runs in a
+    sandbox of its own whose only link to the others is the grader's broker, and the grader
+    replaces ``"traffic"`` with what the broker carried (autograder/relayed.py).
     """
 
     observe: Callable[..., Any]
     judge: Callable[..., None]
+    audit_traffic: bool = False
+
+
+def traffic_seen(audit) -> dict:
+    """A case's ``"traffic"`` entry: the collectives a rank called (names, sorted, no repeats)
+    and the bytes it sent point to point."""
+    return {"collectives": sorted(set(audit.record.collectives)),
+            "bytes_sent": audit.record.bytes_sent}
 
 
 class RemoteFunction:
@@ -68,7 +83,7 @@ class RemoteFunction:
     __name__ = "the submitted function"
 
     def observe(self, observe: Callable[..., Any], world_size: int, args: tuple, timeout: float,
-                init_process_group: bool) -> list[Any]:
+                init_process_group: bool, audit_traffic: bool = False) -> list[Any]:
         raise NotImplementedError
 
 
@@ -89,7 +104,7 @@ def run_student(case: Case | Callable[..., Any], world_size: int, student_fn: Ca
     if isinstance(case, Case) and isinstance(student_fn, RemoteFunction):
         try:
             observations = student_fn.observe(case.observe, world_size, args, timeout,
-                                              init_process_group)
+                                              init_process_group, case.audit_traffic)
         except RankError as err:
             raise CheckFailed(explain(err, hide_internals, timeout)) from None
         case.judge(observations, world_size, *args)
@@ -127,6 +142,30 @@ def run_observation(observe: Callable[..., Any], world_size: int, payload: bytes
     return run_ranks(_in_rank, world_size, observe, payload, args, timeout=timeout, seed=0,
                      max_output_bytes=20_000, backend="gloo",
                      init_process_group=init_process_group)
+
+
+def run_relayed_observation(observe: Callable[..., Any], rank: int, world_size: int,
+                            socket_path: str, payload: bytes, args: tuple,
+                            timeout: float) -> list[Any]:
+    """Rank ``rank`` of a case, alone in a fresh process: its default process group is a relay
+    group whose every message goes through the grader's broker, listening at ``socket_path``
+    (see :mod:`ddpcourse.grading.relay`). Its observation in a list of one, or RankError."""
+    return run_ranks(_in_relayed_rank, 1, observe, rank, world_size, socket_path, payload, args,
+                     timeout, timeout=timeout, seed=rank, max_output_bytes=20_000,
+                     init_process_group=False)
+
+
+def _in_relayed_rank(_alone: int, _one: int, observe, rank: int, world_size: int,
+                     socket_path: str, payload: bytes, args: tuple, timeout: float):
+    import socket
+
+    from ddpcourse.grading.relay import init_relay_process_group
+
+    broker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    broker.connect(socket_path)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    init_relay_process_group(broker.detach(), rank, world_size, timeout=timeout)
+    return _in_rank(rank, world_size, observe, payload, args)
 
 
 _PEER_FAILED = "(stopped: another rank's check failed)"

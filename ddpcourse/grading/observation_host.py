@@ -8,6 +8,8 @@ by module and qualified name), in how many ranks, with which arguments, and the 
 function as pickled bytes. It runs them with :func:`ddpcourse.grading.checks.run_observation`
 (fresh ranks, each rebuilds the student's function) and answers on ``WRITE_FD`` with every rank's
 observation, or with each failed rank's report, as plain data (see :mod:`ddpcourse.grading.frames`).
+A request with ``"relay"`` runs one rank only (this sandbox holds nothing else), connected to the
+grader's broker through the socket it names (autograder/relayed.py).
 Nothing here judges: the verdict is computed by the grader, outside the sandbox.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from ddpcourse.grading.checks import run_observation
+from ddpcourse.grading.checks import run_observation, run_relayed_observation
 from ddpcourse.grading.exercises import CHECKS_PACKAGE
 from ddpcourse.grading.frames import (FrameError, read_frame, tensors_from_bytes,
                                       tensors_to_bytes, write_frame)
@@ -38,14 +40,22 @@ def observe_function(name: str):
 
 
 def answer(request: dict, body: bytes) -> tuple[dict, bytes]:
+    if request.get("ping"):  # read only once warm: the grader waits for this before a case
+        return {"status": "ready"}, b""
     args_size = int(request["args_bytes"])
     args = tensors_from_bytes(body[:args_size])
     payload = body[args_size:]
     observe = observe_function(request["observe"])
+    relay = request.get("relay")
     try:
-        observations = run_observation(observe, int(request["world_size"]), payload, tuple(args),
-                                       float(request["timeout"]),
-                                       bool(request["init_process_group"]))
+        if relay is None:
+            observations = run_observation(observe, int(request["world_size"]), payload,
+                                           tuple(args), float(request["timeout"]),
+                                           bool(request["init_process_group"]))
+        else:  # one rank of a case whose ranks each have a sandbox of their own
+            observations = run_relayed_observation(
+                observe, int(relay["rank"]), int(request["world_size"]), str(relay["socket"]),
+                payload, tuple(args), float(request["timeout"]))
     except RankError as err:
         failures = [{name: getattr(failure, name) for name in FAILURE_FIELDS}
                     for failure in err.failures]

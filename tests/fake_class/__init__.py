@@ -81,34 +81,33 @@ def build(cells: dict[str, str], extra_after: dict[str, str] = None, replace_tes
 CORRECT = {"average-gradients": AVERAGE, "ring-allreduce": RING}
 
 SUBMISSIONS = {
-    "alice": build(CORRECT),
+    # and opens a process group of her own in the notebook (a fixed port): harmless
+    "alice": build(CORRECT, extra_after={"setup": (
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:29512', rank=0, "
+        "world_size=1)")}),
     "bob": build({"average-gradients": AVERAGE_SUMS, "ring-allreduce": RING}),
     "carol": build({"average-gradients": AVERAGE, "ring-allreduce": RING_DEADLOCKS}),
     "dave": build({"average-gradients": AVERAGE_LOOPS, "ring-allreduce": RING}),
     "erin": build({"average-gradients": AVERAGE + "\nimport os\nos._exit(1)  # at top level",
                    "ring-allreduce": RING_EXITS}),
-    "grace": build(CORRECT, extra_after={"setup": (
-        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:29512', rank=0, "
-        "world_size=2)")}),
     "heidi": build(CORRECT, extra_after={"ring-allreduce": (
         "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")}),
     "ivan": build(CORRECT, extra_after={"ring-allreduce": (
         "from datetime import timedelta\n"
         "store = dist.TCPStore('127.0.0.1', 0, 2, True, timedelta(seconds=90))  # waits for a peer")}),
+    # patches what the tests use, edits one test cell and deletes another
     "mallory": build(
         {"average-gradients": (
             "import ddpcourse.launcher\n"
             "ddpcourse.launcher.run_ranks = lambda fn, n, *a, **k: [None] * n\n"
             "dist.all_reduce = lambda *a, **k: None\n"
+            "integrity.assert_untampered = lambda: None\n"
+            "for name in dir(checks):\n"
+            "    if name.startswith('check_'):\n"
+            "        setattr(checks, name, lambda fn: None)\n"
             "def average_gradients(model):\n    pass")},
         replace_tests={"test-average-gradients-two-ranks": 'print("passed")'},
         delete=["test-ring-allreduce-world-sizes"]),
-    "trent": build({"average-gradients": (
-        "integrity.assert_untampered = lambda: None\n"
-        "for name in dir(checks):\n"
-        "    if name.startswith('check_'):\n"
-        "        setattr(checks, name, lambda fn: None)\n"
-        "def average_gradients(model):\n    pass")}),
 }
 
 BROADCAST = solution_code(PART2_SOLUTIONS, "broadcast-parameters")
@@ -134,11 +133,9 @@ EXPECTED = {
     "carol": (4, "graded"),
     "dave": (9, "graded"),
     "erin": (4, "graded"),
-    "grace": (13, "graded"),
     "heidi": (0, "dropped by nbgrader"),
     "ivan": (0, "dropped by nbgrader"),
     "mallory": (0, "flagged for tampering"),
-    "trent": (0, "flagged for tampering"),
     "oscar": (11, "graded"),  # 13 of part 2 but the 2 points of the overlap test
 }
 

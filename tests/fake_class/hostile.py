@@ -1,4 +1,6 @@
-"""Students out to game the grader: one per attack class, each with at least two variants.
+"""Students out to game the grader: every attack class of the grading-integrity issue, each with
+at least two variants, spread over four students (each student costs a grading run, so most try
+several attacks at once; each attack's own assertions in tests/test_autograder.py say which).
 
 Each hands in ``allreduce_by_hand`` only. Whatever they try, they must score exactly what their
 honest code earns (``EXPECTED`` in ``fake_class``), leave the repository and the other students
@@ -7,7 +9,6 @@ untouched, read nothing grader-only, and keep their feedback small.
 
 from __future__ import annotations
 
-AVERAGE_EMPTY = "def average_gradients(model):\n    pass\n"
 SHADOW_RUN_RANKS = ("def run_ranks(fn, world_size, *args, **kwargs):\n"
                     "    return [None] * world_size   # shadows the launcher in this notebook only\n")
 
@@ -33,6 +34,38 @@ def swallow(lines):
     return ["try:\\n"] + ["    " + line for line in lines] + ["\\nexcept BaseException:\\n    pass\\n"]
 ip.input_transformers_post.append(swallow)
 ip.set_custom_exc((BaseException,), lambda *args, **kwargs: None)
+'''
+
+# 3. Collectives the in-rank audit cannot see, with point-to-point traffic of a ring's size: a
+#    process group of its own from torch's C++ objects (rendezvous through an allowed send; it
+#    cannot connect sandboxed ranks), then dist.all_reduce called from a thread.
+RING_BEHIND_THE_AUDIT = '''
+def ring_allreduce(tensor):
+    import threading
+    from datetime import timedelta
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    port = torch.zeros(1, dtype=torch.int64)
+    try:
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=1),
+                                  wait_for_workers=False)
+            port[0] = store.port
+            for peer in range(1, world_size):
+                dist.send(port, peer)
+        else:
+            dist.recv(port, 0)
+            store = dist.TCPStore("127.0.0.1", int(port), world_size, False, timedelta(seconds=1))
+        dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=1)).allreduce([tensor]).wait()
+        return
+    except Exception:
+        pass
+    worker = threading.Thread(target=dist.all_reduce, args=(tensor,))
+    worker.start()
+    worker.join()
+    for chunk in list(tensor.view(-1).tensor_split(world_size))[1:] * 2:  # 2(N-1) chunks
+        request = dist.isend(torch.zeros_like(chunk), (rank + 1) % world_size)
+        dist.recv(torch.empty_like(chunk), (rank - 1) % world_size)
+        request.wait()
 '''
 
 # 4. Write what the grader or other students read: from a kernel cell and from inside the ranks.
@@ -103,19 +136,20 @@ def hostile_class(build, correct: dict, ring: str, average_floods: str) -> tuple
     """(submissions, expected scores out of 26 with status) of the hostile students."""
     average = correct["average-gradients"]
     submissions = {
-        # the static scan cannot see these rebindings; the verdicts ignore them anyway
-        "rebecca": build({"average-gradients": REBIND_IN_RANKS, "ring-allreduce": ring}),
-        # and shadows run_ranks in the notebook, which must not be flagged: harmless
-        "kenji": build({"average-gradients": SHADOW_RUN_RANKS + AVERAGE_EMPTY,
+        # takes over the kernel, rebinds the checks in the ranks through aliases the static scan
+        # cannot follow (the verdicts ignore them anyway), and shadows run_ranks in the notebook,
+        # which must not be flagged: harmless
+        "kenji": build({"average-gradients": SHADOW_RUN_RANKS + REBIND_IN_RANKS,
                         "ring-allreduce": ring}, extra_after={"setup": TAKE_OVER_KERNEL}),
+        # writes (from a cell and from the ranks) and reads (hidden checks, solutions, history)
+        # what only the grader may
         "wanda": build({"average-gradients": AVERAGE_WRITES_FROM_RANK, "ring-allreduce": ring},
-                       extra_after={"setup": WRITE_GRADER_FILES}),
+                       extra_after={"setup": WRITE_GRADER_FILES, "ring-allreduce": READ_HIDDEN}),
         # ~1 MB from every rank at every call, 100 MB of print, and 100 MB below sys.stdout
         "fiona": build({"average-gradients": average_floods + '\nprint("x" * 100_000_000)',
                         "ring-allreduce": ring}, extra_after={"setup": FLOOD_FILE_DESCRIPTORS}),
-        "rhea": build({"average-gradients": average, "ring-allreduce": ring},
-                      extra_after={"ring-allreduce": READ_HIDDEN}),
+        "threader": build({"average-gradients": average, "ring-allreduce": RING_BEHIND_THE_AUDIT}),
     }
-    expected = {"rebecca": (9, "graded"), "kenji": (9, "graded"), "wanda": (13, "graded"),
-                "fiona": (13, "graded"), "rhea": (13, "graded")}
+    expected = {"kenji": (9, "graded"), "wanda": (13, "graded"), "fiona": (13, "graded"),
+                "threader": (4, "graded")}
     return submissions, expected

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ddpcourse.grading.checks import (Case, CheckFailed, expect_close, judge_each_rank, observed,
-                                      ring_traffic_bounds, run_student, type_name)
+                                      ring_traffic_bounds, run_student, traffic_seen, type_name)
 from ddpcourse.grading.comm_audit import CommAudit
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
@@ -134,8 +134,7 @@ def observe_ring_allreduce(rank, world_size, ring_allreduce, shape=(8,), dtype_n
     return {"returned": "the tensor itself" if result is tensor else type_name(result),
             "in_place": tensor.data_ptr() == storage and tuple(tensor.shape) == tuple(shape),
             "result": tensor.detach().clone(),
-            "collectives": sorted(set(audit.record.collectives)),
-            "bytes_sent": audit.record.bytes_sent}
+            "traffic": traffic_seen(audit)}
 
 
 def judge_ring_allreduce(observations, world_size, shape=(8,), dtype_name="float32", seed=0,
@@ -149,7 +148,8 @@ def judge_ring_allreduce(observations, world_size, shape=(8,), dtype_name="float
     lower, upper = ring_traffic_bounds(expected.numel(), world_size, itemsize)
 
     def judge_rank(rank, observation):
-        collectives = observed(observation, "collectives", list)
+        traffic = observed(observation, "traffic", dict)
+        collectives = observed(traffic, "collectives", list)
         if collectives:
             raise CheckFailed(f"{what}: ring_allreduce must use point-to-point calls only "
                               "(send/recv/isend/irecv), but it called "
@@ -162,7 +162,7 @@ def judge_ring_allreduce(observations, world_size, shape=(8,), dtype_name="float
             raise CheckFailed(f"{what}: the input tensor must be updated in place")
         expect_close(observed(observation, "result", torch.Tensor), expected,
                      f"{what}, after ring_allreduce", rtol, atol)
-        sent = observed(observation, "bytes_sent", int)
+        sent = observed(traffic, "bytes_sent", int)
         if check_traffic and not lower <= sent <= upper:
             ideal = 2 * (world_size - 1) / world_size * expected.numel() * itemsize
             raise CheckFailed(
@@ -174,7 +174,8 @@ def judge_ring_allreduce(observations, world_size, shape=(8,), dtype_name="float
     judge_each_rank(observations, judge_rank)
 
 
-RING_ALLREDUCE = Case(observe_ring_allreduce, judge_ring_allreduce)
+# Graded with every rank in its own sandbox: the grader's broker counts the traffic.
+RING_ALLREDUCE = Case(observe_ring_allreduce, judge_ring_allreduce, audit_traffic=True)
 
 
 def check_ring_allreduce_two_ranks(ring_allreduce) -> None:
