@@ -36,7 +36,7 @@ BROKER_GRACE_S = 5.0  # the broker fails a waiting operation after the ranks' ow
 
 
 def traffic_of(broker: Broker, rank: int) -> dict:
-    """What ``rank`` did on the wire, in the form of :func:`ddpcourse.grading.checks.traffic_seen`:
+    """What ``rank`` did on the wire, in the form of :func:`ddpcourse.grading.checks.audited_traffic`:
     the collectives it called and the bytes it sent point to point."""
     return {"collectives": sorted(set(broker.collectives(rank))),
             "bytes_sent": broker.bytes_sent(rank, "send")}
@@ -45,14 +45,24 @@ def traffic_of(broker: Broker, rank: int) -> dict:
 class RelayedRanks:
     """One host per rank, started when a case first needs that many ranks; ``make_host(rank,
     relay_dir)`` makes rank ``rank``'s host, whose sandbox must see ``relay_dir`` (and no other
-    rank's)."""
+    rank's). The submission's own host may serve rank 0 (``adopt_rank0``), which saves starting
+    one (torch's imports cost seconds of CPU); it runs nothing that rank 1 and up can reach."""
 
     def __init__(self, make_host: Callable[[int, Path], ObservationHost]):
         self.make_host = make_host
         # short: a Unix socket's path has at most 107 bytes
         self.root = Path(tempfile.mkdtemp(prefix="relay-"))
+        self.relay_dir(0).mkdir()
         self.hosts: list[ObservationHost] = []
+        self.adopted: ObservationHost | None = None
         self.cases = 0
+
+    def adopt_rank0(self, host: ObservationHost) -> None:
+        """Let ``host`` (whose sandbox sees ``relay_dir(0)``; closed by its owner) serve rank 0."""
+        if self.hosts:
+            raise RuntimeError("rank 0 already has a host")
+        self.adopted = host
+        self.hosts.append(host)
 
     def relay_dir(self, rank: int) -> Path:
         return self.root / f"rank{rank}"
@@ -126,7 +136,8 @@ class RelayedRanks:
 
     def close(self) -> None:
         for host in self.hosts:
-            host.close()
+            if host is not self.adopted:
+                host.close()
         self.hosts = []
         shutil.rmtree(self.root, ignore_errors=True)
 

@@ -61,16 +61,18 @@ class ObservationHost:
     parent thread)."""
 
     def __init__(self, wrap: Callable[[list[str]], list[str]] = list, env: dict | None = None,
-                 log_path: Path | None = None):
+                 log_path: Path | None = None, one_rank: bool = False):
         self.wrap, self.env, self.log_path = wrap, env, log_path
+        self.one_rank = one_rank  # hosts one rank of communication-audited cases (relayed.py)
         self.process: subprocess.Popen | None = None
         self.lock = threading.Lock()
 
     def _start(self) -> None:
         to_host_r, self.to_host = os.pipe()
         self.from_host, from_host_w = os.pipe()
+        one_rank = self.one_rank
         argv = [sys.executable, "-m", "ddpcourse.grading.observation_host", str(to_host_r),
-                str(from_host_w)]
+                str(from_host_w), *(["--one-rank"] if one_rank else [])]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.process = subprocess.Popen(self.wrap(argv), pass_fds=(to_host_r, from_host_w),

@@ -248,18 +248,21 @@ def _rank_host(prepared: _Prepared, rank: int, relay_dir: Path) -> trusted.Obser
         box = dataclasses.replace(box, writable=(folder,), env={"MPLCONFIGDIR": str(folder)},
                                   readable=(*box.readable, relay_dir))
     return trusted.ObservationHost(wrap=box.command if box else list,
-                                   log_path=prepared.work / f"rank{rank}.log")
+                                   log_path=prepared.work / f"rank{rank}.log", one_rank=True)
 
 
 def grade_one(job: dict) -> dict:
     prepared = _prepare(job)
-    box = prepared.host_box
-    with trusted.ObservationHost(wrap=box.command if box else list,
-                                 log_path=prepared.work / "host.log") as host, \
-            RelayedRanks(functools.partial(_rank_host, prepared)) as relayed:
-        if prepared.graded_outside:
-            host.start()  # imports torch and warms its ranks while the kernel runs the notebook
-        return _grade(prepared, host, relayed)
+    with RelayedRanks(functools.partial(_rank_host, prepared)) as relayed:
+        box = prepared.host_box
+        if box is not None:  # it also hosts rank 0 of the communication-audited cases
+            box = dataclasses.replace(box, readable=(*box.readable, relayed.relay_dir(0)))
+        with trusted.ObservationHost(wrap=box.command if box else list,
+                                     log_path=prepared.work / "host.log") as host:
+            relayed.adopt_rank0(host)
+            if prepared.graded_outside:
+                host.start()  # imports torch and warms its ranks while the kernel runs
+            return _grade(prepared, host, relayed)
 
 
 def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedRanks) -> dict:

@@ -10,7 +10,6 @@ graded in tests/test_autograder.py.
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from autograder import sandbox, trusted
 from autograder.relayed import RelayedRanks
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import allreduce_by_hand as checks
+from fake_class.hostile import RING_BEHIND_THE_AUDIT
 from trusted_path import submitted
 
 needs_bwrap = pytest.mark.skipif(sandbox.bwrap_problem() is not None,
@@ -63,29 +63,20 @@ def all_reduce_from_a_thread(tensor):
     _dummy_ring_traffic(tensor)
 
 
-def own_gloo_group(tensor):
-    """A process group of its own, from torch's C++ objects, rendezvous by a point-to-point
-    message through the broker (allowed); then the collective runs on that group, off the broker."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    port = torch.zeros(1, dtype=torch.int64)
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=5),
-                              wait_for_workers=False)
-        port[0] = store.port
-        for peer in range(1, world_size):
-            dist.send(port, peer)
-    else:
-        dist.recv(port, 0)
-        store = dist.TCPStore("127.0.0.1", int(port), world_size, False, timedelta(seconds=5))
-    group = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=5))
-    group.allreduce([tensor]).wait()
+def hostile_ring():
+    """The fake class's "threader": a process group of its own from torch's C++ objects
+    (rendezvous through an allowed send), and where that cannot connect, dist.all_reduce from a
+    thread with dummy point-to-point traffic of a ring's size."""
+    namespace = {"__name__": "threaders_notebook", "dist": dist, "torch": torch}
+    exec(RING_BEHIND_THE_AUDIT, namespace)
+    return namespace["ring_allreduce"]
 
 
 @pytest.fixture(scope="module")
 def relayed():
     """Relayed ranks without sandboxes: every message still goes through the broker, but the
     ranks share one network (as when an instructor grades with ``--sandbox off``)."""
-    with RelayedRanks(lambda rank, relay_dir: trusted.ObservationHost()) as ranks:
+    with RelayedRanks(lambda rank, relay_dir: trusted.ObservationHost(one_rank=True)) as ranks:
         yield ranks
 
 
@@ -98,7 +89,7 @@ def sandboxed(tmp_path_factory):
         folder = root / f"rank{rank}"
         folder.mkdir()
         box = sandbox.Sandbox(writable=(folder,), readable=(*sandbox.Sandbox().readable, relay_dir))
-        return trusted.ObservationHost(wrap=box.command)
+        return trusted.ObservationHost(wrap=box.command, one_rank=True)
 
     with RelayedRanks(rank_host) as ranks:
         yield ranks
@@ -121,13 +112,14 @@ def test_a_collective_from_a_thread_is_caught_whatever_the_point_to_point_traffi
 
 def test_without_sandboxes_a_group_of_its_own_would_escape_the_broker(host, relayed):
     """Why each rank needs its own sandbox: on a shared network the attack works."""
-    checks.check_ring_allreduce_two_ranks(submitted(own_gloo_group, host, relayed))
+    checks.check_ring_allreduce_two_ranks(submitted(hostile_ring(), host, relayed))
 
 
 @needs_bwrap
 def test_in_sandboxes_a_group_of_its_own_cannot_reach_the_other_ranks(host, sandboxed):
-    with pytest.raises(CheckFailed, match="rank 1: your code raised"):
-        checks.check_ring_allreduce_two_ranks(submitted(own_gloo_group, host, sandboxed))
+    # its group cannot connect, so it falls back to the thread, which the broker sees
+    with pytest.raises(CheckFailed, match=r"point-to-point calls only .*'all_reduce'"):
+        checks.check_ring_allreduce_two_ranks(submitted(hostile_ring(), host, sandboxed))
     checks.check_ring_allreduce_world_sizes(submitted(ring_allreduce, host, sandboxed))
 
 

@@ -18,6 +18,7 @@ only the data comes back, so the verdict is computed in a process that never ran
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
@@ -53,8 +54,8 @@ class Case:
     import ``observe`` by name).
 
     ``audit_traffic``: the case judges the ranks' communication. Its ``observe`` returns a dict
-    whose ``"traffic"`` entry is what a :class:`~ddpcourse.grading.comm_audit.CommAudit` saw in
-    the rank (:func:`traffic_seen`), which is trustworthy only in the student's own notebook: a
+    whose ``"traffic"`` entry is what :func:`audited_traffic` saw in the rank, which is
+    trustworthy only in the student's own notebook: a
     thread or a C++ process-group object escapes it. When a class is graded, each rank runs in a
     sandbox of its own whose only link to the others is the grader's broker, and the grader
     replaces ``"traffic"`` with what the broker carried (autograder/relayed.py).
@@ -65,11 +66,22 @@ class Case:
     audit_traffic: bool = False
 
 
-def traffic_seen(audit) -> dict:
-    """A case's ``"traffic"`` entry: the collectives a rank called (names, sorted, no repeats)
-    and the bytes it sent point to point."""
-    return {"collectives": sorted(set(audit.record.collectives)),
-            "bytes_sent": audit.record.bytes_sent}
+@contextlib.contextmanager
+def audited_traffic():
+    """``with audited_traffic() as seen: ...``: afterwards ``seen`` holds a case's ``"traffic"``
+    entry: the collectives the block called (names, sorted, no repeats) and the bytes it sent
+    point to point, from an in-rank :class:`~ddpcourse.grading.comm_audit.CommAudit`. On the
+    relay backend nothing is audited here (the grader's broker does it, and replaces the entry)."""
+    seen: dict = {}
+    if dist.is_initialized() and dist.get_backend() == "relay":
+        yield seen
+        return
+    from ddpcourse.grading.comm_audit import CommAudit
+
+    with CommAudit() as audit:
+        yield seen
+    seen.update(collectives=sorted(set(audit.record.collectives)),
+                bytes_sent=audit.record.bytes_sent)
 
 
 class RemoteFunction:

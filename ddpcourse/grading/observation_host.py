@@ -1,6 +1,6 @@
 """Run graded cases in ranks for the trusted grader, from inside a submission's sandbox.
 
-    python -m ddpcourse.grading.observation_host READ_FD WRITE_FD
+    python -m ddpcourse.grading.observation_host READ_FD WRITE_FD [--one-rank]
 
 The autograder starts this process in the sandbox of one submission and sends it requests on
 ``READ_FD``: which case's ``observe`` to run (a function of ``ddpcourse.grading.exercises``, named
@@ -22,7 +22,7 @@ from ddpcourse.grading.checks import run_observation, run_relayed_observation
 from ddpcourse.grading.exercises import CHECKS_PACKAGE
 from ddpcourse.grading.frames import (FrameError, read_frame, tensors_from_bytes,
                                       tensors_to_bytes, write_frame)
-from ddpcourse.launcher import RankError, RankTimeoutError, wait_until_warm
+from ddpcourse.launcher import RankError, RankTimeoutError, wait_until_ready
 
 MAX_REQUEST_BYTES = 256 << 20
 FAILURE_FIELDS = ("rank", "kind", "exitcode", "exc_type", "message", "traceback", "stack",
@@ -64,8 +64,10 @@ def answer(request: dict, body: bytes) -> tuple[dict, bytes]:
     return {"status": "ok"}, tensors_to_bytes(observations)
 
 
-def serve(read_fd: int, write_fd: int) -> int:
-    wait_until_warm()  # the first case must not pay for importing torch._dynamo in its ranks
+def serve(read_fd: int, write_fd: int, one_rank: bool = False) -> int:
+    # The first case must not pay for importing torch._dynamo in its ranks. A host of one rank of
+    # communication-audited cases never needs it: on the relay its ranks run no in-rank audit.
+    wait_until_ready(dynamo=not one_rank)
     while True:
         try:
             request, body = read_frame(read_fd, MAX_REQUEST_BYTES)
@@ -79,4 +81,4 @@ def serve(read_fd: int, write_fd: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2])))
+    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2]), one_rank="--one-rank" in sys.argv[3:]))

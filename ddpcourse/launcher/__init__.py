@@ -58,7 +58,7 @@ from ddpcourse.launcher.processes import run_bounded
 
 __all__ = [
     "run_ranks", "prestart", "resolve_backend", "RankError", "RankFailure", "RankTimeoutError",
-    "run_bounded", "wait_until_warm", "rank_server_pids", "usable_cores", "pickle_by_value",
+    "run_bounded", "wait_until_warm", "wait_until_ready", "rank_server_pids", "usable_cores", "pickle_by_value",
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -111,8 +111,16 @@ def prestart() -> None:
 
 def wait_until_warm(timeout: float = 120.0) -> None:
     """Block until the warm rank server (``torch._dynamo`` preloaded) serves the calls."""
+    wait_until_ready(timeout)
+
+
+def wait_until_ready(timeout: float = 120.0, dynamo: bool = True) -> None:
+    """Block until the rank server the calls will use is ready. Called before any other use of
+    the launcher, it starts only that server: the warm one, or with ``dynamo=False`` the fast
+    one, for good (ranks that build no optimizer, DDP or dispatch mode never need dynamo;
+    those that do import it themselves, in every rank)."""
     with _call_lock:
-        pool.wait_until_warm(timeout)
+        pool.wait_until_ready(timeout, dynamo)
 
 
 def rank_server_pids() -> set[int]:

@@ -94,34 +94,47 @@ class RankServer:
 
 
 class ServerPool:
-    """Hands out the best rank server available right now (see the module docstring)."""
+    """Hands out the best rank server available right now (see the module docstring).
+
+    A process whose first word is :meth:`wait_until_ready` gets only the server it waits for:
+    the warm one, or with ``dynamo=False`` the fast one for good (each server imports torch:
+    seconds of CPU)."""
 
     def __init__(self):
         self.fast: RankServer | None = None
         self.warm: RankServer | None = None
+        self.kinds = ("fast", "warm")
 
     def start(self) -> None:
-        if self.warm is not None and self.warm.owner_pid != os.getpid():
+        if any(s is not None and s.owner_pid != os.getpid() for s in (self.fast, self.warm)):
             # We are a forked copy of the process that started them: they are not ours to use.
             self.fast = self.warm = None
-        if self.warm is None or not self.warm.alive:
-            self.warm = RankServer(warm=True)
+        if "warm" not in self.kinds:
             if self.fast is None or not self.fast.alive:
+                self.fast = RankServer(warm=False)
+        elif self.warm is None or not self.warm.alive:
+            self.warm = RankServer(warm=True)
+            if "fast" in self.kinds and (self.fast is None or not self.fast.alive):
                 self.fast = RankServer(warm=False)
 
     def get(self) -> RankServer:
         self.start()
+        if "warm" not in self.kinds:
+            return self.fast
         if self.fast is not None and (self.warm.poll_ready() or not self.fast.alive):
             self.fast.close()
             self.fast = None
         return self.fast or self.warm
 
-    def wait_until_warm(self, timeout: float = 120.0) -> None:
+    def wait_until_ready(self, timeout: float = 120.0, dynamo: bool = True) -> None:
+        if self.fast is None and self.warm is None:
+            self.kinds = ("warm",) if dynamo else ("fast",)
         self.start()
+        server = self.warm if "warm" in self.kinds else self.fast
         deadline = time.monotonic() + timeout
-        while not self.warm.poll_ready():
-            if time.monotonic() > deadline or not self.warm.alive:
-                raise RuntimeError("the warm rank server did not become ready")
+        while not server.poll_ready():
+            if time.monotonic() > deadline or not server.alive:
+                raise RuntimeError("the rank server did not become ready")
             time.sleep(0.02)
         self.get()
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddpcourse.grading.checks import (Case, CheckFailed, expect_close, judge_each_rank, observed,
-                                      ring_traffic_bounds, run_student, traffic_seen, type_name)
-from ddpcourse.grading.comm_audit import CommAudit
+from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, expect_close,
+                                      judge_each_rank, observed, ring_traffic_bounds, run_student,
+                                      type_name)
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
@@ -129,12 +129,12 @@ def observe_ring_allreduce(rank, world_size, ring_allreduce, shape=(8,), dtype_n
                            seed=0, check_traffic=False):
     tensor = make_rank_tensor(rank, shape, DTYPES[dtype_name], seed)
     storage = tensor.data_ptr()
-    with CommAudit() as audit:
+    with audited_traffic() as traffic:
         result = ring_allreduce(tensor)
     return {"returned": "the tensor itself" if result is tensor else type_name(result),
             "in_place": tensor.data_ptr() == storage and tuple(tensor.shape) == tuple(shape),
             "result": tensor.detach().clone(),
-            "traffic": traffic_seen(audit)}
+            "traffic": traffic}
 
 
 def judge_ring_allreduce(observations, world_size, shape=(8,), dtype_name="float32", seed=0,
