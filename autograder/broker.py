@@ -23,7 +23,9 @@ How a grader starts ranks against it::
 (A rank forked from this process must first call ``broker.close_in_child(rank)``.) In the rank,
 ``ddpcourse.grading.relay.init_relay_process_group()`` makes the group from those variables.
 
-The broker never hangs and trusts nothing a rank sends: frames are checked against size caps
+Checking a request and computing a collective's results are in :mod:`autograder.broker_requests`;
+this module reads, routes, logs and keeps the deadlines. The broker never hangs and trusts nothing
+a rank sends: frames are checked against size caps
 before anything is allocated, headers are JSON checked field by field, tensors are raw bytes of
 known dtypes (nothing is unpickled), and each rank may hold only so many bytes and requests in the
 broker. A rank that breaks these rules is cut off: its socket is closed, and the others' operations
@@ -35,7 +37,6 @@ broadcast), fail the whole group: every rank's pending and later operations rais
 from __future__ import annotations
 
 import copy
-import json
 import math
 import selectors
 import socket
@@ -44,44 +45,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
-from ddpcourse.grading.relay import (DTYPES, MAX_DIMS, MAX_HEADER_BYTES, MAX_TENSORS, PREFIX,
-                                     PROTOCOL, REDUCE_OPS, frame, spec_nbytes, tensor_bytes,
-                                     tensors_from)
+from autograder.broker_requests import (INT32, Request, Violation, check_collective, check_recv,
+                                        check_send, collective_replies, describe, int_field,
+                                        nbytes, parse_header, shape_text, tensor_specs)
+from ddpcourse.grading.relay import MAX_HEADER_BYTES, PREFIX, PROTOCOL, frame, tensor_bytes
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather",
                "scatter", "all_to_all", "barrier")
 POINT_TO_POINT = ("send", "recv")
-_ROOTED = ("broadcast", "reduce", "gather", "scatter")
-_REDUCING = ("all_reduce", "reduce", "reduce_scatter")
-_INT32 = 2**31
 _READ_BUDGET = 8 << 20  # bytes read from one rank per wake-up, so one rank cannot starve others
-
-
-class _Violation(Exception):
-    """A rank broke the protocol; the message says how, for the log and the other ranks."""
-
-
-@dataclass
-class _Request:
-    rank: int
-    id: int
-    op: str
-    payload: bytearray
-    tensors: list[dict]
-    expect: list[dict]
-    entry: dict
-    deadline: float
-    src: int | None = None  # a recv's source; None: any
-    held: bool = False
-    signature: tuple = ()
-    seq: int | None = None
-
-    @property
-    def dtype(self) -> str | None:
-        specs = self.tensors or self.expect
-        return specs[0]["dtype"] if specs else None
 
 
 @dataclass
@@ -101,10 +73,6 @@ class _Conn:
     held_bytes: int = 0  # payloads and bookkeeping of its requests the broker keeps waiting
     held_count: int = 0
     logged_tensors: int = 0  # its log's size: one per operation and one per tensor
-
-
-def _shape_text(item: dict) -> str:
-    return f"{item['dtype']}[{', '.join(map(str, item['shape']))}]"
 
 
 class Broker:
@@ -160,10 +128,10 @@ class Broker:
         self._failure: str | None = None
         self._gone: dict[int, str] = {}
         self._cut_off: dict[int, str] = {}
-        self._sends: dict[int, list[_Request]] = {r: [] for r in range(world_size)}  # by dst
-        self._recvs: dict[int, list[_Request]] = {r: [] for r in range(world_size)}  # by dst
+        self._sends: dict[int, list[Request]] = {r: [] for r in range(world_size)}  # by dst
+        self._recvs: dict[int, list[Request]] = {r: [] for r in range(world_size)}  # by dst
         self._next_seq = [0] * world_size
-        self._collectives: dict[int, dict[int, _Request]] = {}
+        self._collectives: dict[int, dict[int, Request]] = {}
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -335,7 +303,7 @@ class Broker:
             return
         try:
             step(conn)
-        except _Violation as exc:
+        except Violation as exc:
             self._cut(conn, str(exc))
         except Exception as exc:  # anything unexpected while handling one rank: cut that rank
             self._cut(conn, f"its request made the broker fail ({exc!r})")
@@ -368,20 +336,20 @@ class Broker:
         if conn.phase == "prefix":
             header_len, payload_len = PREFIX.unpack(conn.buf)
             if not 2 <= header_len <= MAX_HEADER_BYTES:
-                raise _Violation(f"sent a message header of {header_len} bytes "
+                raise Violation(f"sent a message header of {header_len} bytes "
                                  f"(limit {MAX_HEADER_BYTES})")
             if payload_len > self.max_message_bytes:
-                raise _Violation(f"sent a message of {payload_len} bytes "
+                raise Violation(f"sent a message of {payload_len} bytes "
                                  f"(limit {self.max_message_bytes})")
             if conn.held_bytes + payload_len > self.max_held_bytes:
-                raise _Violation(f"would keep more than {self.max_held_bytes} bytes waiting "
+                raise Violation(f"would keep more than {self.max_held_bytes} bytes waiting "
                                  "in the broker")
             if conn.held_count >= self.max_held_requests:
-                raise _Violation(f"kept more than {self.max_held_requests} requests waiting")
+                raise Violation(f"kept more than {self.max_held_requests} requests waiting")
             conn.phase, conn.payload_len = "header", payload_len
             conn.buf, conn.got = bytearray(header_len), 0
         elif conn.phase == "header":
-            conn.header = self._parse_header(conn.buf)
+            conn.header = parse_header(conn.buf)
             if conn.payload_len:
                 conn.phase, conn.buf, conn.got = "payload", bytearray(conn.payload_len), 0
             else:
@@ -394,61 +362,20 @@ class Broker:
         conn.phase, conn.buf, conn.got, conn.header = "prefix", bytearray(PREFIX.size), 0, None
         self._dispatch(conn, header, payload)
 
-    @staticmethod
-    def _parse_header(data: bytearray) -> dict:
-        try:
-            header = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise _Violation("sent a message header that is not JSON") from None
-        if not isinstance(header, dict):
-            raise _Violation("sent a message header that is not a JSON object")
-        return header
-
-    @staticmethod
-    def _int(header: dict, key: str, low: int, high: int, none_ok: bool = False) -> int | None:
-        value = header.get(key)
-        if value is None and none_ok:
-            return None
-        if type(value) is not int or not low <= value < high:
-            raise _Violation(f"sent a bad {key!r}: {str(value)[:40]!r} "
-                             f"(expected an integer in [{low}, {high}))")
-        return value
-
-    def _specs(self, header: dict, key: str) -> list[dict]:
-        items = header.get(key, [])
-        if not isinstance(items, list) or len(items) > MAX_TENSORS:
-            raise _Violation(f"sent a bad {key!r} list")
-        specs = []
-        for item in items:
-            if not isinstance(item, dict) or item.get("dtype") not in DTYPES:
-                raise _Violation(f"sent a tensor of an unknown dtype in {key!r}")
-            shape = item.get("shape")
-            if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                    or any(type(d) is not int or not 0 <= d < 2**40 for d in shape)):
-                raise _Violation(f"sent a bad tensor shape in {key!r}")
-            if spec_nbytes(item) > self.max_message_bytes:
-                raise _Violation(f"named a tensor larger than {self.max_message_bytes} bytes")
-            specs.append({"dtype": item["dtype"], "shape": list(shape)})
-        return specs
-
-    @staticmethod
-    def _nbytes(specs: list[dict]) -> int:
-        return sum(spec_nbytes(s) for s in specs)
-
     def _dispatch(self, conn: _Conn, header: dict, payload: bytearray) -> None:
         op = header.get("op")
         if not conn.greeted:
             self._hello(conn, header)
             return
         if op not in COLLECTIVES and op not in POINT_TO_POINT:
-            raise _Violation(f"asked for an unknown operation {str(op)[:40]!r}")
-        request_id = self._int(header, "id", 0, 2**53)
-        tensors, expect = self._specs(header, "tensors"), self._specs(header, "expect")
-        if self._nbytes(tensors) != len(payload):
-            raise _Violation(f"sent {len(payload)} payload bytes for tensors of "
-                             f"{self._nbytes(tensors)} bytes")
+            raise Violation(f"asked for an unknown operation {str(op)[:40]!r}")
+        request_id = int_field(header, "id", 0, 2**53)
+        tensors, expect = tensor_specs(header, "tensors", self.max_message_bytes), tensor_specs(header, "expect", self.max_message_bytes)
+        if nbytes(tensors) != len(payload):
+            raise Violation(f"sent {len(payload)} payload bytes for tensors of "
+                             f"{nbytes(tensors)} bytes")
         if len({s["dtype"] for s in tensors + expect}) > 1:
-            raise _Violation("mixed dtypes in one request")
+            raise Violation("mixed dtypes in one request")
         shapes = [s["shape"] for s in (tensors or expect)]
         entry = {"index": len(self._logs[conn.rank]), "order": self._order, "op": op,
                  "peer": None, "tag": None, "root": None, "reduce_op": None, "collective": None,
@@ -456,20 +383,20 @@ class Broker:
                  "shape": shapes[0] if len(shapes) == 1 else None, "shapes": shapes,
                  "bytes_sent": len(payload), "bytes_received": 0, "status": "pending",
                  "error": None}
-        request = _Request(conn.rank, request_id, op, payload, tensors, expect, entry,
+        request = Request(conn.rank, request_id, op, payload, tensors, expect, entry,
                            time.monotonic() + self.timeout)
         if op == "send":
-            self._check_send(request, header)
+            check_send(request, header, self.world_size)
         elif op == "recv":
-            self._check_recv(request, header)
+            check_recv(request, header, self.world_size)
         else:
-            self._check_collective(request, header)
+            check_collective(request, header, self.world_size)
         if conn.held_bytes + self._cost(request) > self.max_held_bytes:
-            raise _Violation(f"would keep more than {self.max_held_bytes} bytes waiting "
+            raise Violation(f"would keep more than {self.max_held_bytes} bytes waiting "
                              "in the broker")
         conn.logged_tensors += 1 + len(shapes)
         if conn.logged_tensors > self.max_logged:
-            raise _Violation(f"asked for more than {self.max_logged} operations and tensors")
+            raise Violation(f"asked for more than {self.max_logged} operations and tensors")
         self._order += 1
         self._logs[conn.rank].append(entry)
         if self._failure is not None:
@@ -483,14 +410,14 @@ class Broker:
 
     def _hello(self, conn: _Conn, header: dict) -> None:
         if header.get("op") != "hello":
-            raise _Violation("did not start with a greeting")
-        rank = self._int(header, "rank", 0, _INT32)
-        world_size = self._int(header, "world_size", 1, _INT32)
+            raise Violation("did not start with a greeting")
+        rank = int_field(header, "rank", 0, INT32)
+        world_size = int_field(header, "world_size", 1, INT32)
         if header.get("protocol") != PROTOCOL:
-            raise _Violation(f"speaks protocol {str(header.get('protocol'))[:20]}, "
+            raise Violation(f"speaks protocol {str(header.get('protocol'))[:20]}, "
                              f"not {PROTOCOL}")
         if (rank, world_size) != (conn.rank, self.world_size):
-            raise _Violation(f"says it is rank {rank} of {world_size}, but this connection "
+            raise Violation(f"says it is rank {rank} of {world_size}, but this connection "
                              f"belongs to rank {conn.rank} of {self.world_size}")
         conn.greeted = True
         self._send_frame(conn, {"id": 0, "ok": True, "timeout": self.timeout,
@@ -499,26 +426,12 @@ class Broker:
 
     # -- point to point -----------------------------------------------------------------------
 
-    def _check_send(self, req: _Request, header: dict) -> None:
-        dst = self._int(header, "dst", 0, self.world_size)
-        tag = self._int(header, "tag", -_INT32, _INT32)
-        if len(req.tensors) != 1 or req.expect:
-            raise _Violation("sent a send request without exactly one tensor")
-        req.entry.update(peer=dst, tag=tag)
-
-    def _check_recv(self, req: _Request, header: dict) -> None:
-        req.src = src = self._int(header, "src", 0, self.world_size, none_ok=True)
-        tag = self._int(header, "tag", -_INT32, _INT32)
-        if req.tensors or len(req.expect) != 1:
-            raise _Violation("sent a recv request without exactly one expected tensor")
-        req.entry.update(peer=src, tag=tag)
-
     @staticmethod
-    def _accepts(recv: _Request, send: _Request) -> bool:
+    def _accepts(recv: Request, send: Request) -> bool:
         return (recv.entry["tag"] == send.entry["tag"]
                 and recv.src in (None, send.rank))
 
-    def _on_send(self, req: _Request) -> None:
+    def _on_send(self, req: Request) -> None:
         dst = req.entry["peer"]
         if dst in self._gone:
             self._fail(req, f"relay: send from rank {req.rank} to rank {dst} cannot complete: "
@@ -535,7 +448,7 @@ class Broker:
         if recv is not None:
             self._deliver(req, recv)
 
-    def _on_recv(self, req: _Request) -> None:
+    def _on_recv(self, req: Request) -> None:
         me, src = req.rank, req.src
         send = next((s for s in self._sends[me] if self._accepts(req, s)), None)
         if send is not None:
@@ -549,74 +462,33 @@ class Broker:
             self._recvs[me].append(req)
             self._hold(req)
 
-    def _deliver(self, send: _Request, recv: _Request) -> None:
+    def _deliver(self, send: Request, recv: Request) -> None:
         sent, wanted = send.tensors[0], recv.expect[0]
         recv.entry["peer"] = send.rank
         if sent["dtype"] != wanted["dtype"] or math.prod(sent["shape"]) != math.prod(
                 wanted["shape"]):
-            self._break(f"relay: rank {recv.rank} receives {_shape_text(wanted)} from rank "
+            self._break(f"relay: rank {recv.rank} receives {shape_text(wanted)} from rank "
                         f"{send.rank} (tag {send.entry['tag']}), which sent "
-                        f"{_shape_text(sent)}", also=[recv])
+                        f"{shape_text(sent)}", also=[recv])
             return
         self._reply(recv, [wanted], [send.payload], src=send.rank)
 
     # -- collectives --------------------------------------------------------------------------
 
-    def _check_collective(self, req: _Request, header: dict) -> None:
-        op, ws = req.op, self.world_size
-        root = self._int(header, "root", 0, ws) if op in _ROOTED else None
-        reduce_op = header.get("reduce_op") if op in _REDUCING else None
-        if op in _REDUCING and reduce_op not in REDUCE_OPS:
-            raise _Violation(f"asked for an unknown reduce op {str(reduce_op)[:20]!r}")
-        is_root = root == req.rank
-        n_up, n_exp = len(req.tensors), len(req.expect)
-        counts = {
-            "all_reduce": n_up >= 1 and n_exp == 0,
-            "broadcast": (n_up, n_exp) == ((1, 0) if is_root else (0, 1)),
-            "all_gather": (n_up, n_exp) == (1, 0),
-            "reduce_scatter": (n_up, n_exp) == (ws, 0),
-            "reduce": (n_up, n_exp) == (1, 0),
-            "gather": (n_up, n_exp) == (1, 0),
-            "scatter": (n_up, n_exp) == ((ws, 0) if is_root else (0, 1)),
-            "all_to_all": (n_up, n_exp) == (ws, ws),
-            "barrier": (n_up, n_exp) == (0, 0),
-        }[op]
-        if not counts:
-            raise _Violation(f"sent a {op} request with {n_up} tensors and {n_exp} expected")
-        specs = req.tensors or req.expect
-        if op in ("reduce_scatter", "scatter") and any(s != specs[0] for s in specs):
-            raise _Violation(f"sent {op} chunks of different shapes")
-        shapes = ([tuple(s["shape"]) for s in req.tensors] if op == "all_reduce"
-                  else [] if op in ("all_to_all", "barrier") else [tuple(specs[0]["shape"])])
-        req.signature = (op, root, reduce_op, req.dtype, tuple(shapes))
-        req.entry.update(root=root, reduce_op=reduce_op)
-
-    @staticmethod
-    def _describe(req: _Request) -> str:
-        op, root, reduce_op, dtype, shapes = req.signature
-        parts = [f"{dtype}[{', '.join(map(str, s))}]" for s in shapes]
-        if op == "all_to_all":
-            parts.append(str(req.dtype))
-        if reduce_op:
-            parts.append(f"op={reduce_op}")
-        if root is not None:
-            parts.append(f"root={root}")
-        return f"{op}({', '.join(parts)})"
-
-    def _on_collective(self, req: _Request) -> None:
+    def _on_collective(self, req: Request) -> None:
         seq = req.seq = self._next_seq[req.rank]
         self._next_seq[req.rank] += 1
         req.entry["collective"] = seq
         if self._gone:
             why = next(iter(self._gone.values()))
-            self._fail(req, f"relay: rank {req.rank}'s {self._describe(req)} (collective #{seq})"
+            self._fail(req, f"relay: rank {req.rank}'s {describe(req)} (collective #{seq})"
                             f" cannot complete: {why}")
             return
         group = self._collectives.setdefault(seq, {})
         group[req.rank] = req
         self._hold(req)
         if any(other.signature != req.signature for other in group.values()):
-            calls = "; ".join(f"rank {r} called {self._describe(group[r])}" for r in sorted(group))
+            calls = "; ".join(f"rank {r} called {describe(group[r])}" for r in sorted(group))
             self._break(f"relay: collective #{seq} differs between ranks: {calls}")
             return
         if len(group) == self.world_size:
@@ -624,75 +496,13 @@ class Broker:
             for member in group.values():
                 self._release(member)
             try:
-                self._complete([group[r] for r in range(self.world_size)])
+                replies = collective_replies([group[r] for r in range(self.world_size)],
+                                             self.world_size)
+                for member, specs, parts in replies:
+                    self._reply(member, specs, parts)
             except Exception as exc:
-                self._break(f"relay: {self._describe(req)} (collective #{seq}) failed in the "
+                self._break(f"relay: {describe(req)} (collective #{seq}) failed in the "
                             f"broker: {exc}", also=list(group.values()))
-
-    def _complete(self, reqs: list[_Request]) -> None:
-        first = reqs[0]
-        op, root, reduce_op = first.op, first.signature[1], first.signature[2]
-        ws = self.world_size
-        inputs = [tensors_from(r.payload, r.tensors) for r in reqs]
-        if op == "barrier":
-            for r in reqs:
-                self._reply(r, [], [])
-        elif op == "all_reduce":
-            results = [self._reduce([inputs[r][i] for r in range(ws)], reduce_op)
-                       for i in range(len(first.tensors))]
-            for r in reqs:
-                self._reply(r, first.tensors, results)
-        elif op == "reduce":
-            result = self._reduce([inputs[r][0] for r in range(ws)], reduce_op)
-            for r in reqs:
-                self._reply(r, r.tensors if r.rank == root else [],
-                            [result] if r.rank == root else [])
-        elif op == "reduce_scatter":
-            for r in reqs:
-                result = self._reduce([inputs[s][r.rank] for s in range(ws)], reduce_op)
-                self._reply(r, [first.tensors[0]], [result])
-        elif op == "broadcast":
-            source = reqs[root]
-            for r in reqs:
-                self._reply(r, [] if r is source else source.tensors,
-                            [] if r is source else [source.payload])
-        elif op == "all_gather":
-            for r in reqs:
-                self._reply(r, [s.tensors[0] for s in reqs], [s.payload for s in reqs])
-        elif op == "gather":
-            for r in reqs:
-                mine = r.rank == root
-                self._reply(r, [s.tensors[0] for s in reqs] if mine else [],
-                            [s.payload for s in reqs] if mine else [])
-        elif op == "scatter":
-            chunks = inputs[root]
-            for r in reqs:
-                self._reply(r, [reqs[root].tensors[r.rank]], [chunks[r.rank]])
-        elif op == "all_to_all":
-            for r in reqs:
-                for s in reqs:
-                    sent, wanted = s.tensors[r.rank], r.expect[s.rank]
-                    if math.prod(sent["shape"]) != math.prod(wanted["shape"]):
-                        raise ValueError(f"rank {s.rank} sends {_shape_text(sent)} to rank "
-                                         f"{r.rank}, which expects {_shape_text(wanted)}")
-            for r in reqs:
-                self._reply(r, r.expect, [inputs[s][r.rank] for s in range(ws)])
-
-    def _reduce(self, tensors: list[torch.Tensor], reduce_op: str) -> torch.Tensor:
-        floating = tensors[0].is_floating_point()
-        if reduce_op == "avg" and not floating:
-            raise ValueError("AVG needs floating-point tensors")
-        if reduce_op in ("band", "bor", "bxor") and floating:
-            raise ValueError(f"{reduce_op.upper()} needs integer tensors")
-        combine = {"sum": torch.add, "avg": torch.add, "product": torch.mul,
-                   "min": torch.minimum, "max": torch.maximum, "band": torch.bitwise_and,
-                   "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[reduce_op]
-        result = tensors[0].clone()
-        for tensor in tensors[1:]:  # rank order, so the result never depends on arrival order
-            result = combine(result, tensor)
-        if reduce_op == "avg":
-            result = result / len(tensors)
-        return result.to(tensors[0].dtype)
 
     # -- deadlines, failures, disconnections ----------------------------------------------------
 
@@ -711,7 +521,7 @@ class Broker:
     def _expire(self, now: float) -> None:
         for seq, group in sorted(self._collectives.items()):
             if any(r.deadline <= now for r in group.values()):
-                called = "; ".join(f"rank {r} called {self._describe(group[r])}"
+                called = "; ".join(f"rank {r} called {describe(group[r])}"
                                    for r in sorted(group))
                 missing = [r for r in range(self.world_size) if r not in group]
                 never = "; ".join(f"rank {r} did not call it ({self._last_call(r)})"
@@ -727,11 +537,11 @@ class Broker:
                     blame = (self._last_call(src) if src is not None
                              else "no rank sent anything matching")
                     self._break(f"relay: recv by rank {recv.rank} from {source} (tag "
-                                f"{recv.entry['tag']}, {_shape_text(recv.expect[0])}) timed out "
+                                f"{recv.entry['tag']}, {shape_text(recv.expect[0])}) timed out "
                                 f"after {self.timeout:g} s: nothing matching was sent ({blame})")
                     return
 
-    def _break(self, message: str, also: list[_Request] = ()) -> None:
+    def _break(self, message: str, also: list[Request] = ()) -> None:
         """Fail the whole group: every waiting and later operation of any rank gets ``message``."""
         if self._failure is None:
             self._failure = message
@@ -762,7 +572,7 @@ class Broker:
                 failing.append((req, f"relay: recv by rank {dst} from rank {rank} cannot "
                                      f"complete: {reason}"))
         for seq, group in sorted(self._collectives.items()):
-            failing += [(req, f"relay: rank {req.rank}'s {self._describe(req)} (collective "
+            failing += [(req, f"relay: rank {req.rank}'s {describe(req)} (collective "
                               f"#{seq}) cannot complete: {reason}")
                         for req in group.values() if req.rank != rank]
         self._collectives.clear()
@@ -795,32 +605,32 @@ class Broker:
     # -- replies --------------------------------------------------------------------------------
 
     @staticmethod
-    def _cost(req: _Request) -> int:
+    def _cost(req: Request) -> int:
         """What keeping ``req`` waiting costs: its payload, and a generous price for the rest."""
         return len(req.payload) + 1024 * (1 + len(req.tensors) + len(req.expect))
 
-    def _hold(self, req: _Request) -> None:
+    def _hold(self, req: Request) -> None:
         if not req.held:
             req.held = True
             conn = self._conns[req.rank]
             conn.held_bytes += self._cost(req)
             conn.held_count += 1
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: Request) -> None:
         if req.held:
             req.held = False
             conn = self._conns[req.rank]
             conn.held_bytes -= self._cost(req)
             conn.held_count -= 1
 
-    def _reply(self, req: _Request, specs: list[dict], parts: list, **extra) -> None:
+    def _reply(self, req: Request, specs: list[dict], parts: list, **extra) -> None:
         views = [p if isinstance(p, (bytes, bytearray)) else tensor_bytes(p) for p in parts]
         req.entry["status"] = "ok"
         req.entry["bytes_received"] = sum(len(v) for v in views)
         self._send_frame(self._conns[req.rank],
                          {"id": req.id, "ok": True, "tensors": specs, **extra}, views)
 
-    def _fail(self, req: _Request, message: str) -> None:
+    def _fail(self, req: Request, message: str) -> None:
         if req.entry["status"] != "pending":
             return
         req.entry["status"], req.entry["error"] = "error", message
