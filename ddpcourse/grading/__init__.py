@@ -17,6 +17,14 @@
 * :mod:`ddpcourse.grading.notebook_runner` - execute a notebook and report each test cell.
 """
 
-from ddpcourse.grading.notebook_guard import setup_notebook
-
 __all__ = ["setup_notebook"]
+
+
+def __getattr__(name: str):
+    # Imported on first use (it imports torch): processes that only pass data on, such as the
+    # one-rank hosts of the autograder, import ddpcourse.grading without paying for torch.
+    if name == "setup_notebook":
+        from ddpcourse.grading.notebook_guard import setup_notebook
+
+        return setup_notebook
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

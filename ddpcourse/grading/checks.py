@@ -156,30 +156,6 @@ def run_observation(observe: Callable[..., Any], world_size: int, payload: bytes
                      init_process_group=init_process_group)
 
 
-def run_relayed_observation(observe: Callable[..., Any], rank: int, world_size: int,
-                            socket_path: str, payload: bytes, args: tuple,
-                            timeout: float) -> list[Any]:
-    """Rank ``rank`` of a case, alone in a fresh process: its default process group is a relay
-    group whose every message goes through the grader's broker, listening at ``socket_path``
-    (see :mod:`ddpcourse.grading.relay`). Its observation in a list of one, or RankError."""
-    return run_ranks(_in_relayed_rank, 1, observe, rank, world_size, socket_path, payload, args,
-                     timeout, timeout=timeout, seed=rank, max_output_bytes=20_000,
-                     init_process_group=False)
-
-
-def _in_relayed_rank(_alone: int, _one: int, observe, rank: int, world_size: int,
-                     socket_path: str, payload: bytes, args: tuple, timeout: float):
-    import socket
-
-    from ddpcourse.grading.relay import init_relay_process_group
-
-    broker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    broker.connect(socket_path)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
-    init_relay_process_group(broker.detach(), rank, world_size, timeout=timeout)
-    return _in_rank(rank, world_size, observe, payload, args)
-
-
 _PEER_FAILED = "(stopped: another rank's check failed)"
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-from ddpcourse.grading.checks import run_observation, run_relayed_observation
 from ddpcourse.grading.exercises import CHECKS_PACKAGE
 from ddpcourse.grading.frames import (FrameError, read_frame, tensors_from_bytes,
                                       tensors_to_bytes, write_frame)
+from ddpcourse.grading.relayed_rank import observe_as_rank
 from ddpcourse.launcher import RankError, RankTimeoutError, wait_until_ready
 
 MAX_REQUEST_BYTES = 256 << 20
@@ -43,19 +43,20 @@ def answer(request: dict, body: bytes) -> tuple[dict, bytes]:
     if request.get("ping"):  # read only once warm: the grader waits for this before a case
         return {"status": "ready"}, b""
     args_size = int(request["args_bytes"])
-    args = tensors_from_bytes(body[:args_size])
-    payload = body[args_size:]
-    observe = observe_function(request["observe"])
+    encoded_args, payload = body[:args_size], body[args_size:]
     relay = request.get("relay")
     try:
-        if relay is None:
-            observations = run_observation(observe, int(request["world_size"]), payload,
-                                           tuple(args), float(request["timeout"]),
-                                           bool(request["init_process_group"]))
-        else:  # one rank of a case whose ranks each have a sandbox of their own
-            observations = run_relayed_observation(
-                observe, int(relay["rank"]), int(request["world_size"]), str(relay["socket"]),
-                payload, tuple(args), float(request["timeout"]))
+        if relay is not None:  # one rank of a case whose ranks each have a sandbox of their own
+            return {"status": "ok"}, observe_as_rank(
+                str(request["observe"]), int(relay["rank"]), int(request["world_size"]),
+                str(relay["socket"]), payload, encoded_args, float(request["timeout"]))
+        from ddpcourse.grading.checks import run_observation
+
+        observations = run_observation(observe_function(request["observe"]),
+                                       int(request["world_size"]), payload,
+                                       tuple(tensors_from_bytes(encoded_args)),
+                                       float(request["timeout"]),
+                                       bool(request["init_process_group"]))
     except RankError as err:
         failures = [{name: getattr(failure, name) for name in FAILURE_FIELDS}
                     for failure in err.failures]
@@ -68,6 +69,8 @@ def serve(read_fd: int, write_fd: int, one_rank: bool = False) -> int:
     # The first case must not pay for importing torch._dynamo in its ranks. A host of one rank of
     # communication-audited cases never needs it: on the relay its ranks run no in-rank audit.
     wait_until_ready(dynamo=not one_rank)
+    if not one_rank:  # it rebuilds the ranks' tensors: torch now, not in the first case
+        import ddpcourse.grading.checks  # noqa: F401
     while True:
         try:
             request, body = read_frame(read_fd, MAX_REQUEST_BYTES)
