@@ -70,9 +70,8 @@ class ObservationHost:
     def _start(self) -> None:
         to_host_r, self.to_host = os.pipe()
         self.from_host, from_host_w = os.pipe()
-        one_rank = self.one_rank
         argv = [sys.executable, "-m", "ddpcourse.grading.observation_host", str(to_host_r),
-                str(from_host_w), *(["--one-rank"] if one_rank else [])]
+                str(from_host_w), *(["--one-rank"] if self.one_rank else [])]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.process = subprocess.Popen(self.wrap(argv), pass_fds=(to_host_r, from_host_w),

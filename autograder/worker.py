@@ -91,10 +91,7 @@ def _sandboxes(work: Path, autograded: Path, kernel_dir: Path, functions_dir: Pa
     environment = {"IPYTHONDIR": str(kernel_dir / "ipython"), "MPLCONFIGDIR": str(kernel_dir),
                    # the kernel's parent is the sandbox's init (pid 1), not the grader: no parent
                    # polling (the sandbox dies with the grader anyway)
-                   "JPY_PARENT_PID": "1",
-                   # its cells start a few small calls at most (its checks run elsewhere): no
-                   # second rank server importing dynamo for them
-                   "DDPCOURSE_RANK_SERVERS": "fast"}
+                   "JPY_PARENT_PID": "1"}
     kernel = sandbox.Sandbox(writable=(kernel_dir, autograded, functions_dir), hidden=hidden,
                              env=environment)
     host = sandbox.Sandbox(writable=(host_dir,), hidden=hidden, env={"MPLCONFIGDIR": str(host_dir)})

@@ -5,8 +5,7 @@ Two servers are started together the first time ranks are needed: a *fast* one t
 soon as torch is imported (~1 s) and a *warm* one that has also imported ``torch._dynamo`` (which
 any process's first optimizer pulls in, ~1.4 s more). Calls use the fast one until the warm one
 reports ready, then the fast one is shut down. So the first call is cheap and later calls that
-train a model do not pay the dynamo import in every rank. ``DDPCOURSE_RANK_SERVERS=fast`` in the
-environment keeps only the fast one (the autograder sets it for a student's kernel).
+train a model do not pay the dynamo import in every rank.
 """
 
 from __future__ import annotations
@@ -21,9 +20,6 @@ import time
 from pathlib import Path
 
 import ddpcourse
-
-
-SERVERS_ENV = "DDPCOURSE_RANK_SERVERS"
 
 
 class RankServer:
@@ -107,9 +103,7 @@ class ServerPool:
     def __init__(self):
         self.fast: RankServer | None = None
         self.warm: RankServer | None = None
-        # "fast": a process that starts only a few small calls (a kernel being graded) and
-        # would waste the warm server's import of dynamo
-        self.kinds = ("fast",) if os.environ.get(SERVERS_ENV) == "fast" else ("fast", "warm")
+        self.kinds = ("fast", "warm")
 
     def start(self) -> None:
         if any(s is not None and s.owner_pid != os.getpid() for s in (self.fast, self.warm)):
