@@ -5,8 +5,8 @@ augmentation seeds per rank, an ``IterableDataset`` sharded by rank and worker),
 uneven-inputs demo (stops where the lesson says without a fix, runs with one).
 
 Multi-rank checks use ``run_ranks`` (deadlines, no ports); demos that must block run DDP on a group
-whose short timeout starts after a barrier (``_short_timeout.py``), so the error is the hang, not
-start-up skew. ``uneven_inputs.py`` is launched under torchrun (``--standalone``: the OS picks the
+whose short timeout starts after a barrier (``ddpcourse.dist_env.short_timeout_group``), so the
+error is the hang, not start-up skew. ``uneven_inputs.py`` is launched under torchrun (``--standalone``: the OS picks the
 port) with a deadline, killed as a group.
 """
 
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddpcourse.dist_env import short_timeout_group
 from ddpcourse.launcher import run_bounded, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +36,6 @@ import eval_without_duplicates as ev  # noqa: E402
 import sampler_shards as ss  # noqa: E402
 import uneven_inputs as ui  # noqa: E402
 import workers_and_ranks as wr  # noqa: E402
-from _short_timeout import short_timeout_group  # noqa: E402
 
 SIZES = [(n, w) for n in range(1, 12) for w in range(1, 5)]
 

@@ -232,7 +232,7 @@ for n, world_size in ((10, 3), (7, 2), (9, 3)):
 # add a BatchNorm, or evaluate with gradients enabled after a single training step, and rank 0
 # waits for ranks that are sitting in a barrier. `ev.rank0_evaluates` trains two steps, then rank 0
 # evaluates while the others wait at a barrier of the default group. DDP runs on a group whose 3 s
-# timeout starts after a barrier (`_short_timeout.py`), so slow start-up cannot trip it and the
+# timeout starts after a barrier (`ddpcourse.dist_env.short_timeout_group`), so slow start-up cannot trip it and the
 # error is the hang:
 
 # %%
@@ -534,7 +534,7 @@ for split in wr.SPLITS:
 # before saving a checkpoint). Rank 1 reaches the barrier while rank 0 waits in its third backward
 # for gradients that never come. With the default process-group timeout (30 min on gloo, 10 min on
 # NCCL) that is a hang. `ui.where_it_stops` runs DDP and the barrier on a group with a 3 s timeout
-# whose clock starts after a barrier, once both ranks are up (`_short_timeout.py`: on a loaded
+# whose clock starts after a barrier, once both ranks are up (`ddpcourse.dist_env.short_timeout_group`: on a loaded
 # machine one rank can start seconds after the other, and a clock that counted start-up would stop
 # a rank that is still inside `DDP(...)`). Each rank reports the line of `ui.train` where its wait
 # ended, and how many batches it had finished:

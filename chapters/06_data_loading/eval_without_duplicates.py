@@ -33,8 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from _short_timeout import short_timeout_group
-from ddpcourse.dist_env import process_group
+from ddpcourse.dist_env import process_group, short_timeout_group
 from ddpcourse.toys import make_model, make_regression
 
 

@@ -14,9 +14,10 @@ leaves the loop and waits in the ``dist.barrier()`` that usually precedes saving
 while rank 0 waits in its third backward for rank 1's gradients. DDP and that barrier use a
 process group with a 3-second timeout (``--timeout-s``, a demo value; the default is minutes),
 which turns the wait into an error and a non-zero exit. That group is created after a barrier
-(``_short_timeout.short_timeout_group``), so its clock starts when every rank is ready; joining,
-start-up and the final summary run on the default group with a generous timeout, so that a loaded
-machine, where one rank starts seconds after the other, cannot trip the short one by accident.
+(``ddpcourse.dist_env.short_timeout_group``), so its clock starts when every rank is ready;
+joining, start-up and the final summary run on the default group with a generous timeout, so that
+a loaded machine, where one rank starts seconds after the other, cannot trip the short one by
+accident.
 
 ``--fix sampler`` uses ``DistributedSampler``, whose shards have equal lengths (it repeats samples).
 ``--fix join`` keeps the uneven shards and wraps the loop in ``Join([model])``
@@ -37,8 +38,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from _short_timeout import short_timeout_group
-from ddpcourse.dist_env import process_group
+from ddpcourse.dist_env import process_group, short_timeout_group
 from ddpcourse.toys import make_model, make_regression
 
 FIXES = ("none", "sampler", "join")
