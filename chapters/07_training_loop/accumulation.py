@@ -1,0 +1,313 @@
+"""Gradient accumulation under DDP: ``no_sync()`` around the forward *and* the backward, the
+optimizer step right after the synchronised micro-batch, and each micro-batch loss divided by k.
+
+    torchrun --standalone --nproc_per_node 2 chapters/07_training_loop/accumulation.py
+
+Every all-reduce is counted by a communication hook (:func:`counting_allreduce_hook`, registered
+with ``DistributedDataParallel.register_comm_hook``): it records each gradient bucket it is given,
+then does what DDP does without a hook, ``allreduce_hook`` of
+torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py (divide by the world size, sum).
+The model (``ddpcourse.toys.make_model``, 1377 parameters) fits in one bucket, so one call is one
+synchronisation of every gradient.
+
+What the script measures and checks (rank 0 prints it, exits 1 if a claim fails):
+
+* **Where ``no_sync()`` goes** (:func:`syncs_by_placement`). Around the forward and the backward:
+  no all-reduce, each rank keeps its own gradient. Around the backward only: one all-reduce, as if
+  ``no_sync()`` were not there. The reason is in torch/nn/parallel/distributed.py: ``no_sync``
+  only sets ``self.require_backward_grad_sync = False``, and that flag is read by the *forward*:
+  ``_pre_forward`` (``reducer.prepare_for_forward()``) and ``_post_forward``
+  (``reducer.prepare_for_backward(...)``) run only when it is true. ``prepare_for_backward`` is
+  what arms the reducer for the coming backward (``expect_autograd_hooks_ = true`` in
+  ``Reducer::prepare_for_backward``, torch/csrc/distributed/c10d/reducer.cpp; its
+  ``autograd_hook`` returns early otherwise). ``no_sync``'s own docstring warns: "The forward pass
+  should be included inside the context manager, or else gradients will still be synchronized."
+* **Sync and step on the right micro-batch** (:func:`accumulate`, :data:`VARIANTS`). The gradients
+  accumulated under ``no_sync()`` are all-reduced, together with the new ones, by the next
+  synchronised backward. An optimizer step taken on gradients that include unsynchronised ones
+  makes the replicas different, and nothing raises: DDP all-reduces gradients, it never compares
+  parameters after the constructor's broadcast. An off-by-one (``i % k == 0`` for the sync, the
+  step still after the k-th micro-batch) does exactly that.
+* **k micro-batches on 1 process = k ranks x 1 micro-batch** (:func:`one_process_vs_ranks`). Divide
+  each micro-batch loss by k and k accumulated backwards give the mean gradient of the k
+  micro-batches, which is what DDP's average over k ranks gives. On 2 ranks the two trainings
+  agree bit for bit (halving and a sum of two terms are exact in binary floating point); on 3 or
+  4 within a few units in the last place (dividing by 3 rounds, and gloo sums in its own order).
+  Without the division the accumulated gradient is k times too large.
+"""
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpcourse.dist_env import process_group
+from ddpcourse.toys import flat_parameters, make_model, make_regression
+
+MSE = torch.nn.functional.mse_loss
+PLACEMENTS = ("forward and backward", "backward only", "no no_sync")
+# name: (micro-batch of each group on which the backward synchronises, ... on which to step)
+VARIANTS = {
+    "correct: sync and step on the last": ("last", "last"),
+    "off by one: sync on the first, step on the last": ("first", "last"),
+    "off by one: sync on the last, step on the first": ("last", "first"),
+    "sync and step on the first": ("first", "first"),
+    "no no_sync: sync every micro-batch": ("every", "last"),
+}
+CORRECT = "correct: sync and step on the last"
+
+
+@dataclass
+class CommLog:
+    """What a counting comm hook saw: one entry per all-reduce call (one gradient bucket)."""
+
+    process_group: dist.ProcessGroup | None = None  # None: the default group
+    elements: list[int] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    bytes: list[int] = field(default_factory=list)
+
+    @property
+    def calls(self) -> int:
+        return len(self.elements)
+
+    def clear(self) -> None:
+        self.elements.clear(), self.dtypes.clear(), self.bytes.clear()
+
+
+def counting_allreduce_hook(log: CommLog,
+                            bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook: write down the bucket's size and dtype, then all-reduce and average it the
+    way DDP does without a hook (``default_hooks.allreduce_hook``).
+
+    ``register_comm_hook`` checks these annotations (``_check_comm_hook``): they must be the real
+    ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``, not the strings that
+    ``from __future__ import annotations`` would make of them, which it rejects."""
+    buffer = bucket.buffer()
+    log.elements.append(buffer.numel())
+    log.dtypes.append(str(buffer.dtype).removeprefix("torch."))
+    log.bytes.append(buffer.numel() * buffer.element_size())
+    return default_hooks.allreduce_hook(log.process_group, bucket)
+
+
+def group_device() -> torch.device:
+    """This rank's device: its GPU when the default group is NCCL, else the CPU (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return torch.device("cpu")
+
+
+def wrap(model: torch.nn.Module) -> DDP:
+    """``DDP(model)`` on :func:`group_device` (one device per rank)."""
+    device = group_device()
+    return DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def counted_ddp(seed: int = 0) -> tuple[DDP, CommLog]:
+    """``wrap(make_model(seed))`` with :func:`counting_allreduce_hook` registered."""
+    model = wrap(make_model(seed))
+    log = CommLog()
+    model.register_comm_hook(log, counting_allreduce_hook)
+    return model, log
+
+
+def micro_batches(count: int, size: int = 4, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
+    """``count`` micro-batches of ``size`` samples, the same on every rank (slice them by rank),
+    on :func:`group_device`."""
+    x, y = (t.to(group_device()) for t in make_regression(count * size, seed=seed).tensors)
+    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(count)]
+
+
+def spread_across_ranks(tensor: torch.Tensor) -> float:
+    """max over ranks of max |tensor on that rank - tensor on rank 0| (0.0: equal everywhere)."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor.detach().contiguous())
+    return max((t - gathered[0]).abs().max().item() for t in gathered)
+
+
+def gradient_vector(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def syncs_by_placement(rank: int, world_size: int, placement: str) -> dict:
+    """One forward and backward of this rank's own micro-batch, with ``no_sync()`` placed as
+    ``placement`` says (one of :data:`PLACEMENTS`). Returns the all-reduce calls and elements the
+    hook saw, the DDP flag the forward read, and how much the ranks' gradients differ."""
+    model, log = counted_ddp()
+    x, y = micro_batches(world_size)[rank]
+    if placement == "forward and backward":
+        with model.no_sync():
+            flag_at_forward = model.require_backward_grad_sync
+            MSE(model(x), y).backward()
+    elif placement == "backward only":
+        flag_at_forward = model.require_backward_grad_sync
+        loss = MSE(model(x), y)
+        with model.no_sync():  # too late: the forward has already armed the reducer
+            loss.backward()
+    elif placement == "no no_sync":
+        flag_at_forward = model.require_backward_grad_sync
+        MSE(model(x), y).backward()
+    else:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, not {placement!r}")
+    return {"all-reduce calls": log.calls, "elements": sum(log.elements),
+            "require_backward_grad_sync at forward": flag_at_forward,
+            "gradient spread across ranks": spread_across_ranks(gradient_vector(model))}
+
+
+def _is_position(i: int, k: int, when: str) -> bool:
+    return when == "every" or i % k == (k - 1 if when == "last" else 0)
+
+
+def accumulate(rank: int, world_size: int, sync_on: str = "last", step_on: str = "last",
+               k: int = 4, groups: int = 3) -> dict:
+    """Train ``groups * k`` micro-batches per rank, accumulating the gradients of k of them.
+
+    The backward synchronises on the micro-batch of each group that ``sync_on`` names (``"last"``,
+    ``"first"`` or ``"every"``; the others run under ``no_sync()``, forward included); the
+    optimizer steps after the micro-batch ``step_on`` names. Rank r trains micro-batches
+    ``r, r + W, r + 2W, ...`` of one shared list. Returns the parameter spread across ranks after
+    each micro-batch, the all-reduce calls and the optimizer steps; nothing here raises when the
+    replicas drift apart.
+    """
+    model, log = counted_ddp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = micro_batches(groups * k * world_size)[rank::world_size]
+    spread, steps = [], 0
+    for i, (x, y) in enumerate(batches):
+        sync = _is_position(i, k, sync_on)
+        with contextlib.nullcontext() if sync else model.no_sync():
+            (MSE(model(x), y) / k).backward()
+        if _is_position(i, k, step_on):
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+        spread.append(spread_across_ranks(flat_parameters(model.module)))
+    return {"parameter spread after each micro-batch": spread, "all-reduce calls": log.calls,
+            "optimizer steps": steps, "micro-batches": len(batches),
+            "parameters": flat_parameters(model.module).tolist()}
+
+
+def all_variants(rank: int, world_size: int, k: int = 4, groups: int = 3) -> dict:
+    """:func:`accumulate` for every entry of :data:`VARIANTS`, by name, each with its largest
+    parameter difference from the correct run on this rank (instead of the parameters)."""
+    results = {name: accumulate(rank, world_size, sync_on, step_on, k, groups)
+               for name, (sync_on, step_on) in VARIANTS.items()}
+    correct = torch.tensor(results[CORRECT]["parameters"])
+    for result in results.values():
+        parameters = torch.tensor(result.pop("parameters"))
+        result["max |difference| from the correct run"] = (parameters - correct).abs().max().item()
+    return results
+
+
+def one_process_vs_ranks(rank: int, world_size: int, steps: int = 3, size: int = 4) -> dict:
+    """DDP on W ranks, one micro-batch each per step, against one process that accumulates the
+    same W micro-batches (each loss divided by W) and against one process on one batch of
+    ``W * size`` samples. Every rank computes both references itself (same threads, same data).
+    Returns max |parameter difference| after ``steps`` SGD steps, the largest |parameter| (the
+    scale of one unit in the last place), and the first step's gradient ratio when the
+    accumulated losses are *not* divided by W (expect exactly W on 2 ranks)."""
+    batches = micro_batches(steps * world_size, size)
+    ddp = wrap(make_model(0))
+    accumulated, big_batch, undivided = (make_model(0).to(group_device()) for _ in range(3))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1)
+                  for m in (ddp, accumulated, big_batch, undivided)]
+    ratio = None
+    for step in range(steps):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        group = batches[step * world_size:(step + 1) * world_size]
+        MSE(ddp(group[rank][0]), group[rank][1]).backward()
+        for x, y in group:
+            (MSE(accumulated(x), y) / world_size).backward()
+            MSE(undivided(x), y).backward()
+        x_all, y_all = (torch.cat(parts) for parts in zip(*group))
+        MSE(big_batch(x_all), y_all).backward()
+        if step == 0:
+            reference = gradient_vector(ddp)
+            ratio = (gradient_vector(undivided) / reference)[reference != 0]
+            ratio = (ratio.min().item(), ratio.max().item())
+        for optimizer in optimizers:
+            optimizer.step()
+    final = flat_parameters(ddp.module)
+    return {"max |DDP - 1 process accumulating W micro-batches|":
+                (final - flat_parameters(accumulated)).abs().max().item(),
+            "max |DDP - 1 process, one batch of W micro-batches|":
+                (final - flat_parameters(big_batch)).abs().max().item(),
+            "max |parameter|": final.abs().max().item(),
+            "gradient ratio without / W (min, max)": ratio}
+
+
+def ulp_tolerance(max_parameter: float, units: int = 4) -> float:
+    """``units`` units in the last place of float32 at the largest parameter's magnitude."""
+    return units * torch.finfo(torch.float32).eps * max_parameter
+
+
+def problems(world_size: int, placements: dict, variants: dict, versus: dict) -> list[str]:
+    """What contradicts the module docstring, given the three measurements (rank 0's view)."""
+    found = []
+    wrapped, late, plain = (placements[p] for p in PLACEMENTS)
+    if wrapped["all-reduce calls"] != 0 or wrapped["gradient spread across ranks"] == 0:
+        found.append(f"no_sync around forward and backward: {wrapped}, expected no all-reduce "
+                     "and different gradients per rank")
+    for name, result in (("backward only", late), ("no no_sync", plain)):
+        if result["all-reduce calls"] != 1 or result["gradient spread across ranks"] != 0:
+            found.append(f"{name}: {result}, expected one all-reduce and equal gradients")
+    for name, result in variants.items():
+        drifted = max(result["parameter spread after each micro-batch"]) > 0
+        if drifted != name.startswith("off by one"):
+            found.append(f"{name}: replicas {'drifted' if drifted else 'stayed equal'}")
+    correct = variants[CORRECT]
+    eager = variants["no no_sync: sync every micro-batch"]
+    if correct["all-reduce calls"] * (correct["micro-batches"] // correct["optimizer steps"]) \
+            != eager["all-reduce calls"]:
+        found.append(f"all-reduce calls: {correct['all-reduce calls']} with no_sync, "
+                     f"{eager['all-reduce calls']} without; expected k times more without")
+    exact = world_size == 2
+    tolerance = 0.0 if exact else ulp_tolerance(versus["max |parameter|"])
+    difference = versus["max |DDP - 1 process accumulating W micro-batches|"]
+    if difference > tolerance:
+        found.append(f"DDP vs 1 process x W micro-batches differ by {difference} > {tolerance}")
+    ratios = versus["gradient ratio without / W (min, max)"]
+    ratio_tolerance = 0.0 if exact else 1e-3 * world_size  # elementwise ratios of rounded numbers
+    if any(abs(ratio - world_size) > ratio_tolerance for ratio in ratios):
+        found.append(f"without / W the gradient ratio is {ratios}, expected {world_size}")
+    rounding = ulp_tolerance(versus["max |parameter|"])  # it sums in another order
+    eager_difference = eager["max |difference| from the correct run"]
+    if eager_difference > rounding:
+        found.append(f"syncing every micro-batch moved the result by {eager_difference} > "
+                     f"{rounding} (it should cost traffic only)")
+    return found
+
+
+def main() -> int:
+    with process_group(timeout_s=60) as ctx:
+        ws = ctx.world_size
+        placements = {p: syncs_by_placement(ctx.rank, ws, p) for p in PLACEMENTS}
+        variants = all_variants(ctx.rank, ws)
+        versus = one_process_vs_ranks(ctx.rank, ws)
+        ctx.print0(f"{ws} ranks, one bucket of {placements['no no_sync']['elements']} gradients")
+        for name, result in placements.items():
+            where = "without no_sync" if name == "no no_sync" else f"no_sync around {name}"
+            ctx.print0(f"  {where:<36}: {result['all-reduce calls']} all-reduce, "
+                       f"gradient spread across ranks {result['gradient spread across ranks']:.3g}")
+        ctx.print0("k = 4 micro-batches per step, 12 micro-batches per rank:")
+        for name, result in variants.items():
+            ctx.print0(f"  {name:<48}: {result['all-reduce calls']:>2} all-reduces, "
+                       f"{result['optimizer steps']} steps, final parameter spread "
+                       f"{result['parameter spread after each micro-batch'][-1]:.3g}, off the "
+                       f"correct run by {result['max |difference| from the correct run']:.3g}")
+        for name, value in versus.items():
+            ctx.print0(f"  {name}: {value}")
+        if not ctx.is_main:
+            return 0
+        found = problems(ws, placements, variants, versus)
+        print("checks:", "all passed" if not found else found)
+        return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
