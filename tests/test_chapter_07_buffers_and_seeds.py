@@ -64,8 +64,9 @@ def test_a_reassigned_buffer_is_synced_a_plain_tensor_never(buffer_results):
 
 def test_syncbatchnorm_on_cpu_fails_in_ddp_init_and_in_a_training_forward(buffer_results):
     cpu = buffer_results[1]["SyncBatchNorm on CPU"]
-    assert cpu["DDP(model)"]["error"] == "ValueError: SyncBatchNorm layers only work with GPU modules"
-    assert "nn/parallel/distributed.py:_passing_sync_batchnorm_handle" in cpu["DDP(model)"]["raised in"]
+    ddp = cpu["DDP(model)"]
+    assert ddp["error"] == "ValueError: SyncBatchNorm layers only work with GPU modules"
+    assert "nn/parallel/distributed.py:_passing_sync_batchnorm_handle" in ddp["raised in"]
     assert cpu["model(x), training mode"]["error"].startswith(
         "ValueError: SyncBatchNorm expected input tensor to be on GPU")
     assert cpu["model(x), eval mode"] is None
@@ -89,7 +90,7 @@ def test_buffer_checks_catch_wrong_data(buffer_results):
     assert bf.check_batchnorm_over_ranks(True, local) != []  # local statistics are not SyncBN's
 
 
-@pytest.mark.skipif(GPUS < 2, reason=f"SyncBatchNorm needs NCCL and one GPU per rank: {GPUS} GPU(s)")
+@pytest.mark.skipif(GPUS < 2, reason=f"SyncBatchNorm needs NCCL, one GPU per rank: {GPUS} GPU(s)")
 def test_syncbatchnorm_normalises_with_the_global_batch(no_orphans):
     results = run_ranks(bf.batchnorm_over_ranks, 2, True, timeout=120, backend="nccl")
     assert bf.check_batchnorm_over_ranks(True, results) == [], results
@@ -102,7 +103,8 @@ def test_every_seed_claim_holds_on_three_ranks(seed_results, no_orphans):
 def test_ddp_equalises_the_wrapped_model_and_nothing_made_beside_it(seed_results):
     per_rank = seed_results[0]["made before DDP, seed + rank, init_sync=True"]
     assert per_rank["wrapped model"] == 0.0
-    assert per_rank["teacher copied before DDP()"] > 0 and per_rank["random tensor outside modules"] > 0
+    assert per_rank["teacher copied before DDP()"] > 0
+    assert per_rank["random tensor outside modules"] > 0
     assert seed_results[0]["made before DDP, seed + rank, init_sync=False"]["wrapped model"] > 0
 
 

@@ -35,14 +35,18 @@ lesson):
   the whole batch.
 
 Rank 0 prints the results and exits with code 1 if any check fails. The SyncBatchNorm GPU part
-prints a "skipped" line unless every rank has its own GPU.
+prints a "skipped" line unless every rank has its own GPU. The other demos run on the CPU, on
+GPU machines too (in a gloo group beside the NCCL one, :func:`cpu_group`): what they show does
+not depend on the device.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,6 +61,13 @@ SYNC_MODES = {
     "forward_sync_buffers=False": {"forward_sync_buffers": False},
 }
 TOLERANCE = 1e-5
+
+
+@functools.cache
+def cpu_group() -> dist.ProcessGroup | None:
+    """The group of the CPU demos: the default group under gloo; under NCCL (each rank on a GPU)
+    a gloo group over the same ranks, made by every rank at its first call."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
 class Shifted(nn.Module):
@@ -92,7 +103,7 @@ def buffer_at_forward(rank: int, world_size: int, mode: str = "default") -> dict
     with torch.no_grad():
         module.offset.fill_(rank + 1.0)
         module.weight.fill_(rank + 1.0)
-    model, caught = _silently(lambda: DDP(module, **SYNC_MODES[mode]))
+    model, caught = _silently(lambda: DDP(module, process_group=cpu_group(), **SYNC_MODES[mode]))
     result = {"offset after DDP()": module.offset.item(),
               "weight after DDP()": module.weight.item()}
     with torch.no_grad():
@@ -117,7 +128,7 @@ def check_buffer_at_forward(mode: str, per_rank: list[dict]) -> list[str]:
         if r["weight after DDP()"] != 1.0:
             problems.append(f"{where}: parameters not broadcast at construction")
         expected_seen = 10.0 if forward_sync else 10.0 * (rank + 1)
-        if r["offset the forward used"] != expected_seen or r["offset after forward"] != expected_seen:
+        if {r["offset the forward used"], r["offset after forward"]} != {expected_seen}:
             problems.append(f"{where}: forward used {r['offset the forward used']}, "
                             f"expected {expected_seen}")
         deprecated = any("`broadcast_buffers` is deprecated" in w for w in r["warnings"])
@@ -150,7 +161,7 @@ def reassignment(rank: int, world_size: int) -> dict:
     result: dict = {}
     for way, change in ways.items():
         module = WithPlainTensor()
-        model = DDP(module)
+        model = DDP(module, process_group=cpu_group())
         with torch.no_grad():
             change(module)
         model(torch.ones(1)).sum().backward()
@@ -158,13 +169,13 @@ def reassignment(rank: int, world_size: int) -> dict:
         result[way] = value.item()
 
     bare = nn.Linear(1, 1)  # no buffer at construction: DDP decides it never syncs buffers
-    model = DDP(bare)
+    model = DDP(bare, process_group=cpu_group())
     bare.register_buffer("late", own.clone())
     model(torch.ones(1, 1)).sum().backward()
     result["buffer registered after DDP() (model had none)"] = bare.late.item()
 
     replaced = nn.Linear(1, 1)
-    model = DDP(replaced)
+    model = DDP(replaced, process_group=cpu_group())
     replaced.weight = nn.Parameter(torch.ones(1, 1))  # the reducer still holds the old weight
     model(own.reshape(1, 1)).sum().backward()
     result["gradient of a parameter replaced after DDP()"] = replaced.weight.grad.item()
@@ -221,7 +232,7 @@ def running_stats(rank: int, world_size: int, mode: str = "default", steps: int 
     rank's running statistics, and three single-process references: BatchNorm fed rank 0's
     batches only, this rank's batches only, and the whole global batch at every step."""
     norm = nn.BatchNorm1d(3)
-    model = DDP(norm, **SYNC_MODES[mode])
+    model = DDP(norm, process_group=cpu_group(), **SYNC_MODES[mode])
     for step in range(steps):
         model(batch(rank, step)).square().mean().backward()
     return {
@@ -278,21 +289,30 @@ def check_running_stats(mode: str, per_rank: list[dict]) -> list[str]:
     return problems
 
 
+TORCH_DIR = Path(torch.__file__).parent
+
+
 def _where(error: BaseException) -> dict:
-    frames = traceback.extract_tb(error.__traceback__)
-    torch_frames = [f for f in frames if "site-packages/torch/" in f.filename.replace("\\", "/")]
+    """The error, and the torch functions it passed through (``path/in/torch.py:function``)."""
+    frames = [(Path(f.filename), f.name) for f in traceback.extract_tb(error.__traceback__)]
     return {"error": f"{type(error).__name__}: {error}",
-            "raised in": [f"{f.filename.split('torch/')[-1]}:{f.name}" for f in torch_frames]}
+            "raised in": [f"{path.relative_to(TORCH_DIR).as_posix()}:{name}"
+                          for path, name in frames if path.is_relative_to(TORCH_DIR)]}
+
+
+def describe_error(raised: dict) -> str:
+    """``error`` in the innermost torch function that decided to raise it."""
+    deciding = [f for f in raised["raised in"] if not f.endswith(":_log_and_throw")]
+    return f"{raised['error']}\n      raised in {deciding[-1]}"
 
 
 def syncbatchnorm_on_cpu(rank: int, world_size: int) -> dict:
     """Convert a CPU model's BatchNorm to SyncBatchNorm, then wrap it in DDP, then (without DDP)
     run it in training and in eval mode. Returns what each call raised and where."""
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     result: dict = {"converted to": type(model[1]).__name__}
-    calls = {"DDP(model)": lambda: DDP(model, process_group=group),
+    calls = {"DDP(model)": lambda: DDP(model, process_group=cpu_group()),
              "model(x), training mode": lambda: model.train()(torch.randn(5, 4)),
              "model(x), eval mode": lambda: model.eval()(torch.randn(5, 4))}
     for call, run in calls.items():
@@ -304,17 +324,22 @@ def syncbatchnorm_on_cpu(rank: int, world_size: int) -> dict:
     return result
 
 
+CPU_ERRORS = {  # call -> (message, innermost torch function that decided to raise it)
+    "DDP(model)": ("ValueError: SyncBatchNorm layers only work with GPU modules",
+                   "nn/parallel/distributed.py:_passing_sync_batchnorm_handle"),
+    "model(x), training mode": ("ValueError: SyncBatchNorm expected input tensor to be on GPU",
+                                "nn/modules/batchnorm.py:forward"),
+}
+
+
 def check_syncbatchnorm_on_cpu(per_rank: list[dict]) -> list[str]:
     problems = []
     for rank, r in enumerate(per_rank):
-        ddp, train = r["DDP(model)"], r["model(x), training mode"]
-        if not ddp or ddp["error"] != "ValueError: SyncBatchNorm layers only work with GPU modules" \
-                or not ddp["raised in"][-2].endswith("distributed.py:_passing_sync_batchnorm_handle"):
-            problems.append(f"rank {rank}: DDP(model) gave {ddp}")
-        if not train or not train["error"].startswith(
-                "ValueError: SyncBatchNorm expected input tensor to be on GPU") \
-                or train["raised in"][-1] != "nn/modules/batchnorm.py:forward":
-            problems.append(f"rank {rank}: training-mode forward gave {train}")
+        for call, (message, function) in CPU_ERRORS.items():
+            raised = r[call]
+            if not raised or not raised["error"].startswith(message) \
+                    or describe_error(raised).split("raised in ")[-1] != function:
+                problems.append(f"rank {rank}: {call} gave {raised}")
         if r["model(x), eval mode"] is not None:
             problems.append(f"rank {rank}: eval-mode forward raised {r['model(x), eval mode']}")
     return problems
@@ -407,12 +432,6 @@ def check(gathered: list[dict]) -> list[str]:
     return problems
 
 
-def _describe(raised: dict) -> str:
-    """``error`` in the innermost torch function that decided to raise it."""
-    deciding = [f for f in raised["raised in"] if not f.endswith(":_log_and_throw")]
-    return f"{raised['error']}\n      raised in {deciding[-1]}"
-
-
 def _print_results(gathered: list[dict]) -> None:
     def ranks(key, field):
         return [r[key][field] for r in gathered]
@@ -436,13 +455,12 @@ def _print_results(gathered: list[dict]) -> None:
     cpu = gathered[0]["SyncBatchNorm on CPU"]
     for call in ("DDP(model)", "model(x), training mode", "model(x), eval mode"):
         print(f"  SyncBatchNorm on CPU, {call}: "
-              f"{_describe(cpu[call]) if cpu[call] else 'ok'}")
-    print("BatchNorm over ranks (largest gap):",
-          {k: round(max(v.values()), 6) for k, v in gathered[0]["BatchNorm over ranks"].items()})
-    if "SyncBatchNorm over ranks" in gathered[0]:
-        print("SyncBatchNorm over ranks (largest gap):",
-              {k: round(max(v.values()), 6) for k, v in gathered[0]["SyncBatchNorm over ranks"].items()})
-    else:
+              f"{describe_error(cpu[call]) if cpu[call] else 'ok'}")
+    for name in ("BatchNorm over ranks", "SyncBatchNorm over ranks"):
+        if name in gathered[0]:
+            gaps = {k: round(max(v.values()), 6) for k, v in gathered[0][name].items()}
+            print(f"{name} (largest gap from one process's BatchNorm):", gaps)
+    if "SyncBatchNorm over ranks" not in gathered[0]:
         print("SyncBatchNorm over ranks: skipped: needs NCCL and one GPU per rank "
               f"(this run uses {dist.get_backend()})")
 

@@ -23,11 +23,13 @@ gradients averaged at every backward). Everything else is the rank's own busines
 
 Every function runs in every rank of a process group (e.g. via ``run_ranks``) and returns plain
 data; ``check_*`` return what contradicts the lesson. Rank 0 prints the results and exits with
-code 1 if any check fails.
+code 1 if any check fails. Everything runs on the CPU, on GPU machines too (in a gloo group
+beside the NCCL one, :func:`cpu_group`).
 """
 
 from __future__ import annotations
 
+import functools
 import copy
 import sys
 from collections import Counter
@@ -45,6 +47,13 @@ BASE_SEED = 0
 WIDTH = 12  # dropout mask length in random_draws
 
 
+@functools.cache
+def cpu_group() -> dist.ProcessGroup | None:
+    """The group of the CPU demos: the default group under gloo; under NCCL (each rank on a GPU)
+    a gloo group over the same ranks, made by every rank at its first call."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
 def seed_rank(rank: int, seeding: str) -> None:
     if seeding not in SEEDINGS:
         raise ValueError(f"seeding must be one of {SEEDINGS}, not {seeding!r}")
@@ -55,7 +64,7 @@ def spread(tensors) -> float:
     """All ranks: the largest ``|x_r - x_0|`` over ranks ``r`` and all elements of ``tensors``."""
     flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
+    dist.all_gather(gathered, flat, group=cpu_group())
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
@@ -70,7 +79,7 @@ def made_before_ddp(rank: int, world_size: int, seeding: str, init_sync: bool = 
     model = small_model()
     teacher = copy.deepcopy(model)
     projection = torch.randn(4, 4)
-    DDP(model, init_sync=init_sync)
+    DDP(model, init_sync=init_sync, process_group=cpu_group())
     return {"wrapped model": spread(model.state_dict().values()),
             "teacher copied before DDP()": spread(teacher.state_dict().values()),
             "random tensor outside modules": spread([projection])}
@@ -124,7 +133,7 @@ def random_draws(rank: int, world_size: int, seeding: str, steps: int = 4) -> di
     with torch.no_grad():
         linear.weight.copy_(torch.eye(WIDTH))
         linear.bias.zero_()
-    model = DDP(nn.Sequential(linear, nn.Dropout(0.5)))
+    model = DDP(nn.Sequential(linear, nn.Dropout(0.5)), process_group=cpu_group())
     masks, augmentation = [], []
     for _ in range(steps):
         crop, flip = torch.randint(0, 8, ()).item(), bool(torch.rand(()) < 0.5)
@@ -183,7 +192,7 @@ def drift_curves(rank: int, world_size: int, steps: int = 30, decay: float = 0.9
     """
     torch.manual_seed(BASE_SEED)
     backbone, head = small_model()[:3], nn.Linear(8, 2)
-    model = DDP(backbone)
+    model = DDP(backbone, process_group=cpu_group())
     optimizer = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)
     curves: dict[str, list[float]] = {"head outside DDP": [], "backbone, head outside DDP": []}
     for step in range(steps):
@@ -195,7 +204,7 @@ def drift_curves(rank: int, world_size: int, steps: int = 30, decay: float = 0.9
         curves["backbone, head outside DDP"].append(spread(backbone.parameters()))
 
     torch.manual_seed(BASE_SEED)
-    model = DDP(small_model())
+    model = DDP(small_model(), process_group=cpu_group())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     teachers = {name: copy.deepcopy(model.module) for name in (
         "EMA of parameters", "EMA of parameters and buffers",
@@ -212,7 +221,7 @@ def drift_curves(rank: int, world_size: int, steps: int = 30, decay: float = 0.9
             if name.endswith("averaged"):
                 for buffer in teacher.buffers():
                     if buffer.is_floating_point():
-                        dist.all_reduce(buffer)
+                        dist.all_reduce(buffer, group=cpu_group())
                         buffer.div_(world_size)
             curves[name].append(spread(teacher.state_dict().values()))
     return curves
