@@ -25,7 +25,7 @@ the script exits non-zero if anything does. Shown on 2 ranks with gloo:
   ready only once" (fixed by ``use_reentrant=False`` or ``static_graph=True``).
 
 DDP's errors here are raised on every rank alike; every DDP runs on a group with a short timeout
-all the same (``short_timeout_group``), so a rank that fails alone cannot leave another waiting.
+all the same (``cpu_demo_group``), so a rank that fails alone cannot leave another waiting.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import sys
 import tempfile
 import traceback
 from collections import Counter
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,20 @@ GROUP_TIMEOUT_S = 10.0  # no demo here waits for a peer; this only bounds a surp
 PRIOR_REDUCTION = "Expected to have finished reduction in the prior iteration"
 MARKED_TWICE = "Expected to mark a variable ready only once"
 NO_UNUSED_WARNING = "did not find any unused parameters in the forward pass"
+
+
+def cpu_demo_group(timeout_s: float) -> dist.ProcessGroup:
+    """All ranks: the group these CPU demos run on, whose ``timeout_s`` clock starts once every
+    rank is ready (``short_timeout_group``). Always gloo: under NCCL (a GPU per rank) it is a gloo
+    group over the same ranks, as the demos' tensors live on the CPU."""
+    if dist.get_backend() == "gloo":
+        return short_timeout_group(timeout_s)
+    import torch._dynamo  # noqa: F401  (as short_timeout_group does: pay DDP's import first)
+
+    dist.barrier()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    dist.barrier()
+    return group
 
 # What the aux head (a second output layer) does in forward, one choice per experiment.
 AUX_MODES = (
@@ -80,6 +95,7 @@ class Net(nn.Module):
         if aux == "frozen":
             self.aux.requires_grad_(False)
         self.calls = 0
+        self.sync_group = None  # the group of the dummy all_reduce (None: the default group)
 
     def forward(self, x: torch.Tensor):
         h = torch.tanh(self.body(x))
@@ -98,7 +114,7 @@ class Net(nn.Module):
         elif mode == "checkpoint":
             checkpoint(self.aux, h, use_reentrant=True)
         elif mode == "dummy all_reduce":
-            dist.all_reduce(torch.zeros(1))
+            dist.all_reduce(torch.zeros(1), group=self.sync_group)
         elif mode == "every other step" and self.calls % 2 == 1:
             main = main + self.aux(h)
         return main
@@ -176,9 +192,10 @@ def train(rank: int, world_size: int, aux: str = "unused", block: str = "plain",
     raised at, and the torch functions it went through; the parameter names and indices the
     message gives; whether the gradients were equal on every rank after each finished step; and
     which parameters ended with no gradient at all."""
-    group = short_timeout_group(GROUP_TIMEOUT_S)
+    group = cpu_demo_group(GROUP_TIMEOUT_S)
     torch.manual_seed(0)
     model = Net(aux, block)
+    model.sync_group = group
     with debug_level(debug):
         ddp = DDP(model, process_group=group, **ddp_kwargs)
     if freeze_after_wrapping:
@@ -270,7 +287,7 @@ def work_per_iteration(rank: int, world_size: int, fix: str, warmup: int = 2,
     nothing public tells it)."""
     kwargs = dict(FIXES[fix])
     aux, loss_uses = kwargs.pop("aux"), kwargs.pop("loss_uses", "main")
-    group = short_timeout_group(GROUP_TIMEOUT_S)
+    group = cpu_demo_group(GROUP_TIMEOUT_S)
     torch.manual_seed(0)
     ddp = DDP(Net(aux), process_group=group, **kwargs)
 
@@ -304,7 +321,7 @@ def unused_warning(rank: int, world_size: int, steps: int = 4) -> dict[str, list
     model, so this must run before anything else in the process used the flag."""
     printed = {}
     for case, (aux, loss_uses) in WARNING_CASES.items():
-        group = short_timeout_group(GROUP_TIMEOUT_S)
+        group = cpu_demo_group(GROUP_TIMEOUT_S)
         torch.manual_seed(0)
         ddp = DDP(Net(aux), process_group=group, find_unused_parameters=True)
         printed[case] = []
