@@ -361,7 +361,7 @@ def problems(results: list[dict]) -> list[str]:
     stuck = r0["buckets, find_unused_parameters=True"]
     expect(len(stuck[0]["buckets"]) > 1 and stuck[0]["buckets"] == stuck[1]["buckets"],
            "with find_unused_parameters=True the buckets should never be rebuilt")
-    expect(max(b["gradients outstanding"] for b in stuck[1]["buckets"]) <= 1,
+    expect(max((b["gradients outstanding"] for b in stuck[1]["buckets"]), default=9) <= 1,
            "in reverse registration order, every bucket should wait for the end of backward")
     default_sizes = r0["first bucket, bucket_cap_mb=None"]
     set_sizes = r0["first bucket, bucket_cap_mb=2"]
