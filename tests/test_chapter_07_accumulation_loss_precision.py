@@ -7,7 +7,6 @@ with NCCL) runs where there are GPUs.
 """
 
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -69,7 +68,8 @@ def test_accumulation_check_catches_wrong_data():
                   "backward only": {"all-reduce calls": 1, "gradient spread across ranks": 0.0},
                   "no no_sync": {"all-reduce calls": 1, "gradient spread across ranks": 0.0}}
     variant = {"parameter spread after each micro-batch": [0.0], "all-reduce calls": 3,
-               "optimizer steps": 3, "micro-batches": 12, "max |difference| from the correct run": 0}
+               "optimizer steps": 3, "micro-batches": 12,
+               "max |difference| from the correct run": 0}
     variants = {name: dict(variant) for name in acc.VARIANTS}
     for name in variants:
         if name.startswith("off by one"):

@@ -27,11 +27,12 @@ What the script measures and checks (rank 0 prints it, exits 1 if a claim fails)
   synchronised backward. An optimizer step taken on gradients that include unsynchronised ones
   makes the replicas different, and nothing raises: DDP all-reduces gradients, it never compares
   parameters after the constructor's broadcast. An off-by-one (``i % k == 0`` for the sync, the
-  step still after the k-th micro-batch) does exactly that.
+  step still after the k-th micro-batch) does exactly that. Syncing every micro-batch (no
+  ``no_sync()``) gives the correct parameters up to rounding, with k times the all-reduces.
 * **k micro-batches on 1 process = k ranks x 1 micro-batch** (:func:`one_process_vs_ranks`). Divide
   each micro-batch loss by k and k accumulated backwards give the mean gradient of the k
   micro-batches, which is what DDP's average over k ranks gives. On 2 ranks the two trainings
-  agree bit for bit (halving and a sum of two terms are exact in binary floating point); on 3 or
+  agree bit for bit (halving is exact, and a sum of two terms rounds alike in either order); on 3 or
   4 within a few units in the last place (dividing by 3 rounds, and gloo sums in its own order).
   Without the division the accumulated gradient is k times too large.
 """

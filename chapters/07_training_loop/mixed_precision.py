@@ -43,7 +43,6 @@ import sys
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.profiler import ProfilerActivity, profile
 
