@@ -244,7 +244,8 @@ def first_bucket_sizes(rank: int, world_size: int, bucket_cap_mb: float | None) 
 
 def state_dict_keys(rank: int, world_size: int) -> dict:
     """Keys through the wrapper and through ``model.module``; what loading the wrapper's state
-    dict into a plain model says; and that stripping the prefix fixes an old checkpoint."""
+    dict into a plain model says (and what ``strict=False`` leaves unloaded: everything); and
+    that stripping the prefix fixes an old checkpoint."""
     ddp = DDP(nn.Linear(2, 1), process_group=cpu_demo_group(GROUP_TIMEOUT_S))
     wrapped = ddp.state_dict()
     try:
@@ -252,11 +253,13 @@ def state_dict_keys(rank: int, world_size: int) -> dict:
         load_error = None
     except RuntimeError as error:
         load_error = " ".join(str(error).split())
+    lenient = nn.Linear(2, 1).load_state_dict(wrapped, strict=False)
     fixed = dict(wrapped)
     consume_prefix_in_state_dict_if_present(fixed, "module.")
     nn.Linear(2, 1).load_state_dict(fixed)  # raises if the fix did not work
     return {"through the wrapper": list(wrapped), "model.module": list(ddp.module.state_dict()),
-            "loading the wrapper's keys into a plain model": load_error}
+            "loading the wrapper's keys into a plain model": load_error,
+            "strict=False: keys left unloaded": lenient.missing_keys}
 
 
 def rank0_evaluates(rank: int, world_size: int, through: str,
@@ -375,6 +378,8 @@ def problems(results: list[dict]) -> list[str]:
            and keys["model.module"] == ["weight", "bias"]
            and "Unexpected key(s)" in str(keys["loading the wrapper's keys into a plain model"]),
            "the wrapper's state_dict keys should carry the module. prefix")
+    expect(keys["strict=False: keys left unloaded"] == ["weight", "bias"],
+           "strict=False should load nothing from the prefixed keys, silently")
     expect(r0["rank 0 evaluates model.module"]["output"] is not None,
            "rank 0 alone should evaluate model.module")
     through = r0["rank 0 evaluates the wrapper"]
