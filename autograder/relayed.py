@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from autograder.broker import Broker
+from autograder.broker import COLLECTIVES, Broker
 from autograder.trusted import HOST_MARGIN_S, HostFailed, ObservationHost
 from ddpcourse.launcher import RankError, RankFailure, RankTimeoutError
 
@@ -37,9 +37,13 @@ BROKER_GRACE_S = 5.0  # the broker fails a waiting operation after the ranks' ow
 
 def traffic_of(broker: Broker, rank: int) -> dict:
     """What ``rank`` did on the wire, in the form of :func:`ddpcourse.grading.checks.audited_traffic`:
-    the collectives it called and the bytes it sent point to point."""
-    return {"collectives": sorted(set(broker.collectives(rank))),
-            "bytes_sent": broker.bytes_sent(rank, "send")}
+    the collectives it called, the bytes it sent point to point, and every collective in order
+    with the bytes it handed over."""
+    log = broker.log(rank)
+    return {"collectives": sorted({e["op"] for e in log if e["op"] in COLLECTIVES}),
+            "bytes_sent": sum(e["bytes_sent"] for e in log if e["op"] == "send"),
+            "collective_calls": [[e["op"], e["bytes_sent"]] for e in log
+                                 if e["op"] in COLLECTIVES]}
 
 
 class RelayedRanks:

@@ -61,9 +61,10 @@ class ObservationHost:
     parent thread)."""
 
     def __init__(self, wrap: Callable[[list[str]], list[str]] = list, env: dict | None = None,
-                 log_path: Path | None = None, one_rank: bool = False):
+                 log_path: Path | None = None, one_rank: bool = False, dynamo: bool = False):
         self.wrap, self.env, self.log_path = wrap, env, log_path
         self.one_rank = one_rank  # hosts one rank of communication-audited cases (relayed.py)
+        self.dynamo = dynamo  # a one-rank host whose ranks build DDP or an optimizer: preload it
         self.process: subprocess.Popen | None = None
         self.lock = threading.Lock()
 
@@ -71,7 +72,8 @@ class ObservationHost:
         to_host_r, self.to_host = os.pipe()
         self.from_host, from_host_w = os.pipe()
         argv = [sys.executable, "-m", "ddpcourse.grading.observation_host", str(to_host_r),
-                str(from_host_w), *(["--one-rank"] if self.one_rank else [])]
+                str(from_host_w), *(["--one-rank"] if self.one_rank else []),
+                *(["--dynamo"] if self.dynamo else [])]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.process = subprocess.Popen(self.wrap(argv), pass_fds=(to_host_r, from_host_w),

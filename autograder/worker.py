@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from autograder.notices import write_notice
 from autograder.relayed import RelayedRanks
 from autograder.sandboxed_kernel import SandboxedKernelManager
 from autograder.tamper_scan import locked_ids_of, scan_notebook
+from ddpcourse.grading.exercises import CHECKS_PACKAGE
 from ddpcourse.grading.notebook_guard import GRADED_FUNCTIONS, GRADED_FUNCTIONS_DIR
 
 SETUP_ID = "setup"
@@ -248,7 +250,16 @@ def _rank_host(prepared: _Prepared, rank: int, relay_dir: Path) -> trusted.Obser
         box = dataclasses.replace(box, writable=(folder,), env={"MPLCONFIGDIR": str(folder)},
                                   readable=(*box.readable, relay_dir))
     return trusted.ObservationHost(wrap=box.command if box else list,
-                                   log_path=prepared.work / f"rank{rank}.log", one_rank=True)
+                                   log_path=prepared.work / f"rank{rank}.log", one_rank=True,
+                                   dynamo=_audited_cases_build_ddp(prepared.graded_outside))
+
+
+def _audited_cases_build_ddp(slugs) -> bool:
+    """Whether an exercise's communication-audited cases build DDP (an exercise module's
+    ``AUDITED_CASES_BUILD_DDP``): then each rank's host preloads torch._dynamo once, rather than
+    every rank of every case importing it."""
+    return any(getattr(importlib.import_module(f"{CHECKS_PACKAGE}.{slug}"),
+                       "AUDITED_CASES_BUILD_DDP", False) for slug in slugs)
 
 
 def grade_one(job: dict) -> dict:

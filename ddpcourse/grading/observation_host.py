@@ -65,10 +65,11 @@ def answer(request: dict, body: bytes) -> tuple[dict, bytes]:
     return {"status": "ok"}, tensors_to_bytes(observations)
 
 
-def serve(read_fd: int, write_fd: int, one_rank: bool = False) -> int:
+def serve(read_fd: int, write_fd: int, one_rank: bool = False, dynamo: bool = False) -> int:
     # The first case must not pay for importing torch._dynamo in its ranks. A host of one rank of
-    # communication-audited cases never needs it: on the relay its ranks run no in-rank audit.
-    wait_until_ready(dynamo=not one_rank)
+    # communication-audited cases needs it only when its ranks build DDP or an optimizer (which
+    # import it): on the relay they run no in-rank audit.
+    wait_until_ready(dynamo=not one_rank or dynamo)
     if not one_rank:  # it rebuilds the ranks' tensors: torch now, not in the first case
         import ddpcourse.grading.checks  # noqa: F401
     while True:
@@ -84,4 +85,5 @@ def serve(read_fd: int, write_fd: int, one_rank: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2]), one_rank="--one-rank" in sys.argv[3:]))
+    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2]), one_rank="--one-rank" in sys.argv[3:],
+                   dynamo="--dynamo" in sys.argv[3:]))

@@ -1,0 +1,145 @@
+"""The checks of exercise train_steps (chapter 07: gradient accumulation with DDP) pass a right
+loop, catch each plausible wrong one with a message that names the mistake, count the gradient
+all-reduces both in the student's kernel (an audit in the rank sees DDP's reducer) and through the
+grader's broker (autograder/relayed.py), and read the ranks' reports as untrusted data.
+The exercise: solutions/07_training_loop/train_steps.nb.py."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autograder import trusted
+from autograder.hidden import train_steps as hidden
+from autograder.relayed import RelayedRanks
+from ddpcourse.grading.checks import CheckFailed
+from ddpcourse.grading.exercises import train_steps as checks
+from trusted_path import altered, submitted
+
+pytestmark = pytest.mark.usefixtures("integrity_snapshot")
+
+
+def make(sync="last", scale="group", zero_grad=True, global_loss=True, validate=True,
+         as_tensors=False):
+    """A train_steps with one rule changed; the defaults give the right one.
+
+    sync: which micro-batch of a group runs outside no_sync ("last", "first", "every": no no_sync,
+    "backward": no_sync around the backward only). scale: divide each loss by the group's size
+    ("group"), by accumulation_steps ("k"), or not at all ("none")."""
+    def train_steps(ddp_model, micro_batches, optimizer, loss_fn, accumulation_steps):
+        if validate and accumulation_steps < 1:
+            raise ValueError(accumulation_steps)
+        losses = []
+        for start in range(0, len(micro_batches), max(accumulation_steps, 1)):
+            group = micro_batches[start:start + accumulation_steps]
+            divisor = {"group": len(group), "k": accumulation_steps, "none": 1}[scale]
+            total = 0.0
+            for position, (x, y) in enumerate(group):
+                synced = {"last": position == len(group) - 1, "first": position == 0,
+                          "every": True, "backward": position == len(group) - 1}[sync]
+                outer = contextlib.nullcontext() if synced or sync == "backward" else ddp_model.no_sync()
+                with outer:
+                    loss = loss_fn(ddp_model(x), y)
+                    inner = (ddp_model.no_sync() if sync == "backward" and not synced
+                             else contextlib.nullcontext())
+                    with inner:
+                        (loss / divisor).backward()
+                total += loss.item()
+            optimizer.step()
+            if zero_grad:
+                optimizer.zero_grad()
+            mean = torch.tensor(total / len(group))
+            if global_loss:
+                dist.all_reduce(mean)
+                mean /= dist.get_world_size()
+            losses.append(mean if as_tensors else mean.item())
+        return losses
+    return train_steps
+
+
+def test_the_reference_solution_passes_every_check():
+    right = make()
+    checks.check_accumulation_matches_one_process(right)
+    checks.check_one_all_reduce_per_optimizer_step(right)
+    checks.check_the_tail(right)
+    hidden.check_train_steps(right)
+
+
+@pytest.mark.parametrize("wrong, check, message", [
+    (make(sync="backward"), checks.check_one_all_reduce_per_optimizer_step,
+     r"expected 2 gradient all-reduce\(s\), one per optimizer step, but the ranks all-reduced "
+     r"the gradients 6 time\(s\): a micro-batch whose forward AND backward"),
+    (make(sync="every"), checks.check_accumulation_matches_one_process,
+     r"expected 2 gradient all-reduce\(s\).*4 time\(s\)"),
+    (make(sync="first"), checks.check_accumulation_matches_one_process,
+     r"(after training|no longer identical)"),
+    (make(scale="none"), checks.check_accumulation_matches_one_process,
+     r"parameter '\w+\.\w+' after training, compared with one process"),
+    (make(scale="k"), checks.check_the_tail, r"parameter '\w+\.\w+' after training"),
+    (make(zero_grad=False), checks.check_accumulation_matches_one_process,
+     r"parameter '\w+\.\w+' after training"),
+    (make(global_loss=False), checks.check_accumulation_matches_one_process,
+     r"the loss of optimizer step 0 should be"),
+    (make(as_tensors=True), checks.check_the_tail, r"expected a list of Python floats"),
+], ids=["no_sync-around-backward-only", "no-no_sync", "sync-on-the-first", "no-scaling",
+        "tail-divided-by-k", "no-zero_grad", "per-rank-losses", "tensors"])
+def test_a_wrong_loop_is_caught_with_what_went_wrong(wrong, check, message):
+    with pytest.raises(CheckFailed, match=message):
+        check(wrong)
+
+
+def test_the_hidden_checks_catch_a_missing_value_error():
+    with pytest.raises(CheckFailed, match=r"accumulation_steps=0.*expected ValueError"):
+        hidden.check_train_steps(make(validate=False))
+
+
+@pytest.fixture(scope="module")
+def relayed():
+    """Ranks linked only by the grader's broker (unsandboxed here: the tests' functions are
+    trusted), as the autograder grades communication-audited cases."""
+    with RelayedRanks(lambda rank, relay_dir: trusted.ObservationHost(
+            one_rank=True, dynamo=checks.AUDITED_CASES_BUILD_DDP)) as ranks:
+        yield ranks
+
+
+def test_through_the_broker_the_right_loop_passes_and_a_synced_micro_batch_is_counted(host,
+                                                                                      relayed):
+    checks.check_one_all_reduce_per_optimizer_step(submitted(make(), host, relayed))
+    with pytest.raises(CheckFailed, match=r"all-reduced the gradients 6 time\(s\)"):
+        checks.check_one_all_reduce_per_optimizer_step(
+            submitted(make(sync="backward"), host, relayed))
+
+
+def observations(world_size=2, s=None):
+    from ddpcourse.grading.checks import run_observation
+    from ddpcourse.launcher import pickle_by_value
+
+    s = s or checks.setting(4, 2)
+    return s, run_observation(checks.observe_train_steps, world_size, pickle_by_value(make()),
+                              (s,), 60)
+
+
+def test_the_judge_reads_reports_as_untrusted_data():
+    s, reports = observations()
+    checks.judge_train_steps(reports, 2, s)  # as reported: right
+    forged = [
+        (["traffic", "collective_calls"], [["all_reduce", "lots"]], "malformed"),
+        (["traffic"], {}, "lacks 'collective_calls'"),
+        (["losses"], [1.0, "two"], "list of Python floats"),
+        (["weights", "inp.weight"], "a tensor", "as tensors"),
+        ([], None, "lacks 'raised'"),
+    ]
+    for path, value, message in forged:
+        with pytest.raises(CheckFailed, match=message):
+            checks.judge_train_steps([altered(reports[0], path, value), reports[1]], 2, s)
+
+
+def test_a_rank_whose_weights_differ_breaks_the_replicas():
+    s, reports = observations()
+    weights = reports[1]["weights"]
+    bumped = {**weights, "out.bias": weights["out.bias"] + 1e-7}
+    with pytest.raises(CheckFailed, match="no longer identical"):
+        checks.judge_train_steps([reports[0], altered(reports[1], ["weights"], bumped)], 2, s)
