@@ -109,3 +109,4 @@ def test_device_ids_move_the_input_and_place_the_output(no_orphans):
         assert r["skipped"] is None
         assert r["output device with device_ids"].startswith("cuda:")
         assert r["CPU input without device_ids"] is not None  # nobody moved the input
+        assert r["moved after wrapping: grads equal"] is False

@@ -9,7 +9,7 @@ script exits non-zero if anything does. What is shown, on 2 ranks with gloo:
 * placement: ``device_ids`` on a CPU module is refused (``ValueError``); changing the parameters
   after wrapping (here ``.double()``, on a GPU also ``.to(device)``) raises nothing, but the
   gradients are no longer averaged: the reducer's hooks sit on the old parameters' gradient
-  accumulators. With one GPU per rank, :func:`gpu_placement` checks ``device_ids``/``output_device``;
+  accumulators. With one GPU per rank, :func:`gpu_placement` checks what ``device_ids`` does;
 * the constructor compares the ranks' parameters: a different parameter *count* fails on every
   rank, a different *shape* fails only on the rank that differs from rank 0, while rank 0 goes on
   into the broadcast and waits (here on a group with a 2-second timeout, so it ends);
@@ -109,9 +109,9 @@ def changed_after_wrapping(rank: int, world_size: int, when: str) -> dict:
 
 
 def gpu_placement(rank: int, world_size: int, local_rank: int | None = None) -> dict:
-    """With a GPU per rank: ``device_ids=[local_rank]`` moves a CPU input to the GPU and puts the
-    output on ``output_device`` (default ``device_ids[0]``); without ``device_ids`` the input must
-    already be there. Returns ``{"skipped": reason}`` without enough GPUs."""
+    """With a GPU per rank: ``device_ids=[local_rank]`` moves a CPU input to the GPU; without
+    ``device_ids`` the input must already be there; a model moved to the GPU after wrapping gets
+    its gradients averaged no more. Returns ``{"skipped": reason}`` without enough GPUs."""
     local_rank = rank if local_rank is None else local_rank
     if not torch.cuda.is_available() or torch.cuda.device_count() <= local_rank:
         return {"skipped": "needs one CUDA GPU per rank"}
@@ -126,6 +126,11 @@ def gpu_placement(rank: int, world_size: int, local_rank: int | None = None) -> 
         result["CPU input without device_ids"] = None
     except RuntimeError as error:
         result["CPU input without device_ids"] = first_line(error)
+    # wrapped on the CPU (a gloo group), moved afterwards: its gradients, compared on the
+    # default group, which holds GPU tensors under NCCL
+    late = DDP(nn.Linear(4, 1), process_group=cpu_demo_group(GROUP_TIMEOUT_S)).to(device)
+    late(torch.randn(2, 4, device=device) + rank).sum().backward()
+    result["moved after wrapping: grads equal"] = grads_equal_across_ranks(late.module)
     return result
 
 
@@ -328,6 +333,13 @@ def problems(results: list[dict]) -> list[str]:
         if not condition:
             found.append(claim)
 
+    gpu = r0["gpu placement"]
+    if gpu["skipped"] is None:
+        expect(gpu["output device with device_ids"].startswith("cuda")
+               and gpu["CPU input without device_ids"] is not None,
+               "device_ids should move the input to the GPU, and nothing else should")
+        expect(gpu["moved after wrapping: grads equal"] is False,
+               "a model moved to the GPU after wrapping should get no gradient averaging")
     expect(r0["device_ids on CPU"]["error"] == "ValueError",
            "device_ids on a CPU module should raise ValueError")
     expect(r0["float64 before wrapping"]["grads equal on every rank"] == [True, True],
