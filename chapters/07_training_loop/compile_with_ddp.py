@@ -243,6 +243,18 @@ def graphs_captured(how: str) -> int:
     return len(recorder.linears_per_graph)
 
 
+def state_dict_keys(how: str) -> list[str]:
+    """The state_dict keys of a compiled one-layer model. ``model.compile()`` compiles in place
+    and keeps them; ``torch.compile(model)`` returns an ``OptimizedModule`` that holds the model
+    as ``_orig_mod``, so its keys (and a checkpoint saved from it) start with ``_orig_mod.``."""
+    model = BlockNet(width=4, depth=1, classes=2)
+    if how == ".compile()":
+        model.compile(backend="eager")
+    elif how == "torch.compile":
+        model = torch.compile(model, backend="eager")
+    return list(model.state_dict())
+
+
 def measure(rank: int, world_size: int, backend: str = "aot_eager") -> dict:
     """Everything the script checks, in the current process group (every rank calls this)."""
     runs = {
