@@ -16,9 +16,9 @@
 # # Exercise 07: find the bugs, fix the loop
 #
 # A colleague fine-tunes a fresh classification head on top of a small backbone with DDP. The
-# script runs on every rank, the loss goes down, nothing raises, and yet it is wrong three
-# times over. Each bug is one of chapter 07's: none of them raises an error, so a training run
-# can go on for days with them. Only measurements show them.
+# loop runs on every rank and nothing raises, and yet it is wrong three times over. Each bug is
+# one of chapter 07's, and none of them raises an error: a training run can go on for days with
+# them. Only measurements show them.
 #
 # 1. Run `buggy_train` below on two ranks with the `watch` instrument and read what it measures.
 # 2. Find the bugs: each shows up in one of `watch`'s numbers.

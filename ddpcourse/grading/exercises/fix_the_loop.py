@@ -340,8 +340,6 @@ def judge_situation(calls: list, world_size: int, situation: Situation, checks) 
             _judge_in_place(rank, state, expected, situation, what)
         if "rows" in checks:
             _judge_rows(rank, world_size, call, expected, situation, what)
-        if "losses" in checks:
-            _judge_losses(rank, world_size, call, expected, situation, what)
         states.append(state)
 
     judge_each_rank(calls, judge_rank)
@@ -355,6 +353,9 @@ def judge_situation(calls: list, world_size: int, situation: Situation, checks) 
     if "weights" in checks and not all(_close(s, expected.reference) for s in states):
         why = _diagnosis(states, world_size, situation, expected, agree)
         judge_each_rank(states, lambda rank, state: _judge_weights(state, expected, what, why))
+    if "losses" in checks:  # last: wrong weights make wrong losses, and say more
+        judge_each_rank(calls, lambda rank, call: _judge_losses(rank, call, expected, situation,
+                                                                what))
 
 
 def _judge_in_place(rank: int, state: dict, expected: Expected, situation: Situation,
@@ -390,7 +391,8 @@ def _judge_rows(rank: int, world_size: int, call: dict, expected: Expected,
         if not isinstance(recorded, torch.Tensor):
             raise CheckFailed(f"{what}: at step {step} the backbone got {_text(recorded)}, not "
                               "this rank's batch x (pass x as it is)")
-        if recorded.dtype != torch.float32 or recorded.dim() != 2:
+        if (recorded.layout != torch.strided or recorded.dtype != torch.float32
+                or recorded.dim() != 2):
             raise CheckFailed(f"{what}: at step {step} the backbone got a {recorded.dtype} "
                               f"tensor of shape {tuple(recorded.shape)}, not this rank's x")
         if recorded.shape[0] != situation.rows:
@@ -441,16 +443,17 @@ def _judge_weights(state, expected: Expected, what: str, why: str) -> None:
                   "over the ranks (not summed), plain SGD with this lr, one step per batch"))
 
 
-def _judge_losses(rank: int, world_size: int, call: dict, expected: Expected,
-                  situation: Situation, what: str) -> None:
+def _judge_losses(rank: int, call: dict, expected: Expected, situation: Situation,
+                  what: str) -> None:
+    world_size = len(expected.batches)
     losses = observed(call, "losses", (list, type(None)))
+    returned, text = observed(call, "returned", str), observed(call, "returned_text", str)
+    length = observed(call, "returned_length", int)
     want = expected.losses
     if losses is None:
         raise CheckFailed(f"{what}: train must return a list of {len(want)} Python floats (one "
-                          f"loss per step, `loss.item()`); it returned "
-                          f"{_text(observed(call, 'returned', str))}: "
-                          f"{_text(observed(call, 'returned_text', str))}")
-    length = observed(call, "returned_length", int)
+                          f"loss per step, `loss.item()`); it returned {_text(returned)}: "
+                          f"{_text(text)}")
     if length != len(want) or len(losses) != min(len(want), MAX_LOSSES):
         raise CheckFailed(f"{what}: train returned {length} losses; expected {len(want)}, one "
                           "per step")
