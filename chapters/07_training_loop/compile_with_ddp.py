@@ -317,7 +317,8 @@ def report(result: dict) -> list[str]:
         overlap = ("(eager: per layer)" if name == "eager"
                    else str(all_reduces_during_backward(run["timeline"])))
         lines.append(f"{name:<40} {graphs:<34} {overlap}")
-    lines.append(f"predicted from parameter sizes (bucket_cap_mb=1): {result['expected subgraphs']}")
+    lines.append(f"predicted from parameter sizes (bucket_cap_mb=1): "
+                 f"{result['expected subgraphs']}")
     for name in ("compile, then DDP", "compile, then DDP; optimize_ddp=False"):
         lines.append(f"last backward, {name}: {' -> '.join(runs[name]['timeline'])}")
     for name, run in runs.items():
