@@ -191,6 +191,13 @@ def _build(rank: int, s: dict):
     return model, handed_in, LabelledRows(s["samples"], s["seed"], s["labels"])
 
 
+class StoppedByTheCheck(RuntimeError):
+    """Raised by the check's forward pre-hooks in a rank, inside the student's call. Not a
+    CheckFailed: run_student turns that into a value the rank returns, and a rank that returns
+    waits for its peers, which may be waiting in the student's all_reduce for a rank that has
+    no samples. An exception ends the rank, and the launcher stops the others at once."""
+
+
 def observe_call(rank: int, world_size: int, evaluate, s: dict) -> dict:
     """One call, recorded. Two mistakes stop the call at once, in the forward pre-hooks, with the
     judge's words: a forward in training mode (BatchNorm would raise on a batch of one, or the
@@ -209,11 +216,11 @@ def observe_call(rank: int, world_size: int, evaluate, s: dict) -> dict:
             forwards.append({"rows": _recorded_input(args), "training_modules": training,
                              "grad_enabled": torch.is_grad_enabled()})
         if training:
-            raise CheckFailed(training_mode_message(what, len(forwards) - 1))
+            raise StoppedByTheCheck(training_mode_message(what, len(forwards) - 1))
 
     def count_wrapper(module, args):
         calls[1] += 1
-        raise CheckFailed(wrapper_message(what, calls[1]))
+        raise StoppedByTheCheck(wrapper_message(what, calls[1]))
 
     hooks = [model.register_forward_pre_hook(record)]
     if handed_in is not model:
