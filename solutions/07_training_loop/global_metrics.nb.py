@@ -118,7 +118,8 @@ def evaluate(model: nn.Module, dataset, batch_size: int) -> dict:
        them, and the ranks' shares together are every index exactly once (e.g. indices
        `range(rank, len(dataset), world_size)`). Not `DistributedSampler`: it pads the shares by
        repeating samples (or, with `drop_last=True`, leaves samples out). No rank evaluates the
-       whole data set. With fewer samples than ranks, some ranks get no samples.
+       whole data set (unless it is the only rank). With fewer samples than ranks, some ranks get
+       no samples.
     2. Evaluate its share in batches of at most `batch_size` samples: the model in eval mode, under
        `torch.no_grad()` (or `torch.inference_mode()`); call the model on the samples' `x`,
        stacked as they are. Add up over its share, not averages: the sum of the per-sample
