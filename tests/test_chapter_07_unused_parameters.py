@@ -2,7 +2,8 @@
 and catches wrong data; the error is raised on every rank alike (3 ranks); the node count equals
 a hand count; ``TORCH_DISTRIBUTED_DEBUG=INFO`` works when set before the process starts, and
 through ``run_ranks(env=...)`` (whose ranks read it again); set later in a process, it does
-nothing unless ``dist.set_debug_level_from_env()`` is called (the script's own check).
+nothing unless ``dist.set_debug_level_from_env()`` is called (the script's own check); the recorded
+timing run is complete and names the models it timed.
 
 ``unused_parameters.py`` itself runs under torchrun in tests/test_chapter_scripts.py; here its
 functions run in ranks through ``run_ranks`` (deadlines, no ports), and one short single-rank
@@ -109,3 +110,14 @@ def test_the_environment_variable_set_before_the_process_starts_names_them():
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "['aux.bias', 'aux.weight']", done.stdout
+
+
+def test_the_recorded_timing_run_is_complete_and_matches_the_models_it_names():
+    from ddpcourse.timing import load_reference
+
+    record = load_reference("ch07_find_unused.json")  # machine, date, torch, command, load
+    for workload in record["workloads"].values():
+        model = up.mlp(workload["depth"], workload["width"])
+        x = torch.randn(workload["batch"], workload["width"])
+        assert workload["nodes searched per step"] == up.nodes_searched([model(x)])
+        assert len(workload["attempts"]) == record["attempts"] >= 2
