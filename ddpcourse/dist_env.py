@@ -106,9 +106,24 @@ def process_group(timeout_s: float = 120.0, backend: str = "auto") -> Iterator[D
         dist.destroy_process_group()
 
 
-def short_timeout_group(timeout_s: float) -> dist.ProcessGroup:
+def group_device() -> torch.device:
+    """This rank's device in the default group: its GPU (``LOCAL_RANK``) under NCCL, else the
+    CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return torch.device("cpu")
+
+
+def cpu_group() -> dist.ProcessGroup | None:
+    """All ranks: the group of a demo whose tensors live on the CPU: the default group (None)
+    under gloo; under NCCL, a new gloo group over the same ranks."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def short_timeout_group(timeout_s: float, backend: str | None = None) -> dist.ProcessGroup:
     """All ranks: a new group over the world whose collectives time out after ``timeout_s``, with
-    a clock that starts only once every rank is ready.
+    a clock that starts only once every rank is ready. ``backend``: the default group's unless
+    given (``"gloo"`` for CPU demos on a machine whose default group is NCCL).
 
     Demos of a hang turn a wait that never ends into an error after a few seconds. Start-up is
     slow and uneven on a loaded machine: creating processes, importing torch, and the first
@@ -122,6 +137,6 @@ def short_timeout_group(timeout_s: float) -> dist.ProcessGroup:
     import torch._dynamo  # noqa: F401  (what DDP's constructor would import inside the short clock)
 
     dist.barrier()  # default group, patient timeout: absorbs start-up skew
-    group = dist.new_group(timeout=timedelta(seconds=timeout_s))
+    group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     dist.barrier()  # every rank has the group before any rank uses it
     return group

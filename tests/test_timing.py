@@ -151,7 +151,7 @@ def test_a_record_with_a_useless_field_is_refused(tmp_path, field, value, messag
 
 
 @pytest.mark.parametrize("name", ["ch01_scaling.json", "ch05_ring_vs_gloo_ws2.json",
-                                  "ch05_ring_vs_gloo_ws4.json"])
+                                  "ch05_ring_vs_gloo_ws4.json", "ch07_find_unused.json"])
 def test_the_records_the_lessons_plot_are_complete(name):
     record = timing.load_reference(name)  # by name, from benchmarks/results/
     assert record["load"]["busy_cores"] is not None and record["load"]["note"]

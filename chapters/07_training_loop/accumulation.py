@@ -38,7 +38,6 @@ What the script measures and checks (rank 0 prints it, exits 1 if a claim fails)
 """
 
 import contextlib
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -47,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpcourse.dist_env import process_group
+from ddpcourse.dist_env import group_device, process_group
 from ddpcourse.toys import flat_parameters, make_model, make_regression
 
 MSE = torch.nn.functional.mse_loss
@@ -101,11 +100,6 @@ def counting_allreduce_hook(log: CommLog,
     return default_hooks.allreduce_hook(log.process_group, bucket)
 
 
-def group_device() -> torch.device:
-    """This rank's device: its GPU when the default group is NCCL, else the CPU (gloo)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    return torch.device("cpu")
 
 
 def wrap(model: torch.nn.Module) -> DDP:

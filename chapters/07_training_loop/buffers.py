@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpcourse.dist_env import process_group
+from ddpcourse.dist_env import cpu_group, process_group
 
 SYNC_MODES = {
     "default": {},
@@ -64,10 +64,6 @@ TOLERANCE = 1e-5
 
 
 @functools.cache
-def cpu_group() -> dist.ProcessGroup | None:
-    """The group of the CPU demos: the default group under gloo; under NCCL (each rank on a GPU)
-    a gloo group over the same ranks, made by every rank at its first call."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
 class Shifted(nn.Module):

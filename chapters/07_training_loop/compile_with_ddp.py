@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpcourse.dist_env import process_group
+from ddpcourse.dist_env import group_device, process_group
 
 WIDTH = 512  # a 512 x 512 float32 weight is exactly 1 MiB, the DDP optimizer's first bucket cap
 DEPTH = 4
@@ -123,11 +123,6 @@ class RecordingBackend:
         return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
 
 
-def group_device() -> torch.device:
-    """cuda:LOCAL_RANK in an NCCL group, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def wrap(net: nn.Module, bucket_cap_mb: float) -> DDP:

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from ddpcourse.dist_env import process_group
+from ddpcourse.dist_env import cpu_group, process_group
 
 SEEDINGS = ("same seed", "seed + rank")
 BASE_SEED = 0
@@ -48,10 +48,6 @@ WIDTH = 12  # dropout mask length in random_draws
 
 
 @functools.cache
-def cpu_group() -> dist.ProcessGroup | None:
-    """The group of the CPU demos: the default group under gloo; under NCCL (each rank on a GPU)
-    a gloo group over the same ranks, made by every rank at its first call."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
 def seed_rank(rank: int, seeding: str) -> None:

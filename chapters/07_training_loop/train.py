@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 from tqdm import tqdm
 
-from ddpcourse.dist_env import process_group
+from ddpcourse.dist_env import group_device, process_group
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -170,11 +170,6 @@ def wrap_model(model: nn.Module, config: Config, device: torch.device) -> DDP:
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def group_device() -> torch.device:
-    """cuda:LOCAL_RANK in an NCCL group (process_group set it current), else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def autocast(config: Config, device: torch.device):

@@ -24,8 +24,9 @@ the script exits non-zero if anything does. Shown on 2 ranks with gloo:
   ``checkpoint`` with ``find_unused_parameters=True`` fails with "Expected to mark a variable
   ready only once" (fixed by ``use_reentrant=False`` or ``static_graph=True``).
 
-DDP's errors here are raised on every rank alike; every DDP runs on a group with a short timeout
-all the same (``cpu_demo_group``), so a rank that fails alone cannot leave another waiting.
+DDP's errors here are raised on every rank alike; every DDP runs on a gloo group with a short
+timeout all the same (``short_timeout_group(..., "gloo")``), so a rank that fails alone cannot
+leave another waiting.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import sys
 import tempfile
 import traceback
 from collections import Counter
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -54,18 +54,6 @@ MARKED_TWICE = "Expected to mark a variable ready only once"
 NO_UNUSED_WARNING = "did not find any unused parameters in the forward pass"
 
 
-def cpu_demo_group(timeout_s: float) -> dist.ProcessGroup:
-    """All ranks: the group these CPU demos run on, whose ``timeout_s`` clock starts once every
-    rank is ready (``short_timeout_group``). Always gloo: under NCCL (a GPU per rank) it is a gloo
-    group over the same ranks, as the demos' tensors live on the CPU."""
-    if dist.get_backend() == "gloo":
-        return short_timeout_group(timeout_s)
-    import torch._dynamo  # noqa: F401  (as short_timeout_group does: pay DDP's import first)
-
-    dist.barrier()
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    dist.barrier()
-    return group
 
 # What the aux head (a second output layer) does in forward, one choice per experiment.
 AUX_MODES = (
@@ -192,7 +180,7 @@ def train(rank: int, world_size: int, aux: str = "unused", block: str = "plain",
     raised at, and the torch functions it went through; the parameter names and indices the
     message gives; whether the gradients were equal on every rank after each finished step; and
     which parameters ended with no gradient at all."""
-    group = cpu_demo_group(GROUP_TIMEOUT_S)
+    group = short_timeout_group(GROUP_TIMEOUT_S, "gloo")
     torch.manual_seed(0)
     model = Net(aux, block)
     model.sync_group = group
@@ -287,7 +275,7 @@ def work_per_iteration(rank: int, world_size: int, fix: str, warmup: int = 2,
     nothing public tells it)."""
     kwargs = dict(FIXES[fix])
     aux, loss_uses = kwargs.pop("aux"), kwargs.pop("loss_uses", "main")
-    group = cpu_demo_group(GROUP_TIMEOUT_S)
+    group = short_timeout_group(GROUP_TIMEOUT_S, "gloo")
     torch.manual_seed(0)
     ddp = DDP(Net(aux), process_group=group, **kwargs)
 
@@ -321,7 +309,7 @@ def unused_warning(rank: int, world_size: int, steps: int = 4) -> dict[str, list
     model, so this must run before anything else in the process used the flag."""
     printed = {}
     for case, (aux, loss_uses) in WARNING_CASES.items():
-        group = cpu_demo_group(GROUP_TIMEOUT_S)
+        group = short_timeout_group(GROUP_TIMEOUT_S, "gloo")
         torch.manual_seed(0)
         ddp = DDP(Net(aux), process_group=group, find_unused_parameters=True)
         printed[case] = []

@@ -31,7 +31,6 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -46,18 +45,6 @@ DEMO_TIMEOUT_S = 2.0  # how long a rank waits for a peer that will never come, i
 GROUP_TIMEOUT_S = 30.0  # the other demos wait for no one; this only bounds a surprise
 
 
-def cpu_demo_group(timeout_s: float) -> dist.ProcessGroup:
-    """All ranks: the group these CPU demos run on, whose ``timeout_s`` clock starts once every
-    rank is ready (``short_timeout_group``). Always gloo: under NCCL (a GPU per rank) it is a gloo
-    group over the same ranks, as the demos' tensors live on the CPU."""
-    if dist.get_backend() == "gloo":
-        return short_timeout_group(timeout_s)
-    import torch._dynamo  # noqa: F401  (as short_timeout_group does: pay DDP's import first)
-
-    dist.barrier()
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    dist.barrier()
-    return group
 
 
 def first_line(error: BaseException) -> str:
@@ -92,7 +79,7 @@ def changed_after_wrapping(rank: int, world_size: int, when: str) -> dict:
     model = nn.Linear(4, 1)
     if when == "before":
         model = model.double()
-    group = cpu_demo_group(GROUP_TIMEOUT_S)
+    group = short_timeout_group(GROUP_TIMEOUT_S, "gloo")
     ddp = DDP(model, process_group=group)
     if when == "after":
         ddp = ddp.double()  # what .to(device) after wrapping does on a GPU, too
@@ -128,7 +115,7 @@ def gpu_placement(rank: int, world_size: int, local_rank: int | None = None) -> 
         result["CPU input without device_ids"] = first_line(error)
     # wrapped on the CPU (a gloo group), moved afterwards: its gradients, compared on the
     # default group, which holds GPU tensors under NCCL
-    late = DDP(nn.Linear(4, 1), process_group=cpu_demo_group(GROUP_TIMEOUT_S)).to(device)
+    late = DDP(nn.Linear(4, 1), process_group=short_timeout_group(GROUP_TIMEOUT_S, "gloo")).to(device)
     late(torch.randn(2, 4, device=device) + rank).sum().backward()
     result["moved after wrapping: grads equal"] = grads_equal_across_ranks(late.module)
     return result
@@ -146,7 +133,7 @@ def shape_check(rank: int, world_size: int, difference: str,
         model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3 if differs else 2)])
     else:
         model = nn.Linear(8, 5 if differs else 4)
-    group = cpu_demo_group(timeout_s)
+    group = short_timeout_group(timeout_s, "gloo")
     start = time.monotonic()
     try:
         DDP(model, process_group=group)
@@ -171,7 +158,7 @@ def initial_sync(rank: int, world_size: int, init_sync: bool = True) -> dict:
                 "running_mean": model[1].running_mean.sum().item()}
 
     before = checksums()
-    DDP(model, init_sync=init_sync, process_group=cpu_demo_group(GROUP_TIMEOUT_S))
+    DDP(model, init_sync=init_sync, process_group=short_timeout_group(GROUP_TIMEOUT_S, "gloo"))
     return {"before": before, "after": checksums()}
 
 
@@ -213,7 +200,7 @@ def bucket_layouts(rank: int, world_size: int, bucket_cap_mb: float | None = 0.0
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: events.append(("grad", names[id(p)])))
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
-              process_group=cpu_demo_group(GROUP_TIMEOUT_S))
+              process_group=short_timeout_group(GROUP_TIMEOUT_S, "gloo"))
 
     def recording_hook(state, bucket):  # no annotations: DDP checks them, and this module's
         # `from __future__ import annotations` would turn them into strings it refuses
@@ -251,7 +238,7 @@ def state_dict_keys(rank: int, world_size: int) -> dict:
     """Keys through the wrapper and through ``model.module``; what loading the wrapper's state
     dict into a plain model says (and what ``strict=False`` leaves unloaded: everything); and
     that stripping the prefix fixes an old checkpoint."""
-    ddp = DDP(nn.Linear(2, 1), process_group=cpu_demo_group(GROUP_TIMEOUT_S))
+    ddp = DDP(nn.Linear(2, 1), process_group=short_timeout_group(GROUP_TIMEOUT_S, "gloo"))
     wrapped = ddp.state_dict()
     try:
         nn.Linear(2, 1).load_state_dict(wrapped)
@@ -274,7 +261,7 @@ def rank0_evaluates(rank: int, world_size: int, through: str,
     buffers the wrapper broadcasts at every forward (``forward_sync_buffers``, on by default)."""
     torch.manual_seed(0)
     ddp = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)),
-              process_group=cpu_demo_group(timeout_s))
+              process_group=short_timeout_group(timeout_s, "gloo"))
     ddp(torch.randn(8, 4) + rank).sum().backward()
     result = {"output": None, "error": None, "raised in": None}
     if rank == 0:
@@ -294,7 +281,7 @@ def rank0_evaluates(rank: int, world_size: int, through: str,
 def training_through_module(rank: int, world_size: int) -> bool:
     """A training step whose forward calls ``model.module``: are the gradients averaged?"""
     torch.manual_seed(0)
-    group = cpu_demo_group(GROUP_TIMEOUT_S)
+    group = short_timeout_group(GROUP_TIMEOUT_S, "gloo")
     ddp = DDP(nn.Linear(4, 1), process_group=group)
     ddp.module(torch.randn(2, 4) + rank).sum().backward()
     return grads_equal_across_ranks(ddp.module, group)
