@@ -114,10 +114,20 @@ def group_device() -> torch.device:
     return torch.device("cpu")
 
 
+_cpu_groups: dict = {}  # the default group -> its gloo twin
+
+
 def cpu_group() -> dist.ProcessGroup | None:
     """All ranks: the group of a demo whose tensors live on the CPU: the default group (None)
-    under gloo; under NCCL, a new gloo group over the same ranks."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    under gloo; under NCCL, a gloo group over the same ranks, made at the first call (by every
+    rank) and reused while the default group lives."""
+    if dist.get_backend() == "gloo":
+        return None
+    world = dist.group.WORLD
+    if world not in _cpu_groups:
+        _cpu_groups.clear()
+        _cpu_groups[world] = dist.new_group(backend="gloo")
+    return _cpu_groups[world]
 
 
 def short_timeout_group(timeout_s: float, backend: str | None = None) -> dist.ProcessGroup:

@@ -42,7 +42,6 @@ not depend on the device.
 
 from __future__ import annotations
 
-import functools
 import sys
 import traceback
 import warnings
@@ -61,9 +60,6 @@ SYNC_MODES = {
     "forward_sync_buffers=False": {"forward_sync_buffers": False},
 }
 TOLERANCE = 1e-5
-
-
-@functools.cache
 
 
 class Shifted(nn.Module):

@@ -29,7 +29,6 @@ beside the NCCL one, :func:`cpu_group`).
 
 from __future__ import annotations
 
-import functools
 import copy
 import sys
 from collections import Counter
@@ -45,9 +44,6 @@ from ddpcourse.dist_env import cpu_group, process_group
 SEEDINGS = ("same seed", "seed + rank")
 BASE_SEED = 0
 WIDTH = 12  # dropout mask length in random_draws
-
-
-@functools.cache
 
 
 def seed_rank(rank: int, seeding: str) -> None:
