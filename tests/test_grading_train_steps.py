@@ -143,3 +143,11 @@ def test_a_rank_whose_weights_differ_breaks_the_replicas():
     bumped = {**weights, "out.bias": weights["out.bias"] + 1e-7}
     with pytest.raises(CheckFailed, match="no longer identical"):
         checks.judge_train_steps([reports[0], altered(reports[1], ["weights"], bumped)], 2, s)
+
+
+def test_the_grader_preloads_dynamo_only_for_exercises_whose_audited_cases_build_ddp():
+    from autograder.worker import _audited_cases_build_ddp
+
+    assert _audited_cases_build_ddp(["train_steps"])
+    assert _audited_cases_build_ddp(["allreduce_by_hand", "train_steps"])
+    assert not _audited_cases_build_ddp(["allreduce_by_hand", "bucketed_ddp"])
