@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from typing import Callable, Sequence
 
 import nbformat
 
-from ddpcourse.grading.checks import CheckFailed, RemoteFunction
+from ddpcourse.grading.checks import CheckFailed, RemoteFunction, UnpickledTogether
 from ddpcourse.grading.exercises import CHECKS_PACKAGE, hidden_checks
 from ddpcourse.grading.frames import (FrameError, read_frame, tensors_from_bytes,
                                       tensors_to_bytes, write_frame)
@@ -208,6 +209,14 @@ class SubmittedFunction(RemoteFunction):
 
     def __init__(self, name: str, payload: bytes, host: ObservationHost, relayed=None):
         self.__name__, self.payload, self.host, self.relayed = name, payload, host, relayed
+
+    def together_with(self, *others: SubmittedFunction) -> SubmittedFunction:
+        """One payload that the ranks unpickle as the tuple of every function's; built without
+        unpickling any of them here."""
+        functions = (self, *others)
+        joined = pickle.dumps(UnpickledTogether(tuple(f.payload for f in functions)))
+        return SubmittedFunction(" and ".join(f.__name__ for f in functions), joined, self.host,
+                                 self.relayed)
 
     def observe(self, observe, world_size, args, timeout, init_process_group,
                 audit_traffic=False):

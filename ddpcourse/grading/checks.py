@@ -114,6 +114,38 @@ class RemoteFunction:
                 init_process_group: bool, audit_traffic: bool = False) -> list[Any]:
         raise NotImplementedError
 
+    def together_with(self, *others: RemoteFunction) -> RemoteFunction:
+        """This function and ``others`` as one, which the ranks rebuild as a tuple."""
+        raise NotImplementedError
+
+
+class UnpickledTogether:
+    """Several pickled functions as one payload: it unpickles, in the rank, as their tuple (so
+    the trusted grader joins submitted functions without ever unpickling one)."""
+
+    def __init__(self, payloads: tuple[bytes, ...]):
+        self.payloads = payloads
+
+    def __reduce__(self):
+        return unpickle_each, (self.payloads,)
+
+
+def unpickle_each(payloads: tuple[bytes, ...]) -> tuple:
+    return tuple(pickle.loads(payload) for payload in payloads)
+
+
+def together(*functions: Callable) -> Any:
+    """Several of the student's functions (``save_checkpoint`` and ``load_checkpoint``) as the one
+    ``student_fn`` of :func:`run_student`: a case's ``observe`` receives them as a tuple."""
+    if all(isinstance(fn, RemoteFunction) for fn in functions):
+        return functions[0].together_with(*functions[1:])
+    if any(isinstance(fn, RemoteFunction) for fn in functions):
+        raise TypeError("cannot mix submitted functions with the notebook's own")
+    for fn in functions:
+        if not callable(fn):
+            raise CheckFailed(f"expected a function, got {type(fn).__name__}")
+    return tuple(functions)
+
 
 def run_student(case: Case | Callable[..., Any], world_size: int, student_fn: Callable, *args,
                 timeout: float = CHECK_TIMEOUT_S, hide_internals: bool = False,
@@ -138,7 +170,8 @@ def run_student(case: Case | Callable[..., Any], world_size: int, student_fn: Ca
         case.judge(observations, world_size, *args)
         return observations
     integrity.assert_untampered()
-    if not callable(student_fn):
+    if not callable(student_fn) and not (isinstance(student_fn, tuple)
+                                         and all(map(callable, student_fn))):
         raise CheckFailed(f"expected a function, got {type(student_fn).__name__}")
     try:
         payload = pickle_by_value(student_fn)
