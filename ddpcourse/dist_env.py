@@ -81,8 +81,20 @@ def _require_torchrun_environment() -> None:
 
 
 @contextmanager
-def process_group(timeout_s: float = 120.0, backend: str = "auto") -> Iterator[DistContext]:
-    """Join the process group torchrun prepared; leave it when the block ends."""
+def process_group(timeout_s: float = 120.0, backend: str = "auto",
+                  restart_safe: bool = False) -> Iterator[DistContext]:
+    """Join the process group torchrun prepared; leave it when the block ends.
+
+    ``restart_safe=True`` is for scripts that torchrun may restart (``--max_restarts``). torchrun
+    (torch 2.13, ``--standalone`` or c10d) hands every attempt the same TCP store, which still
+    holds the previous attempt's keys (its ranks' network addresses), so a fresh rank can read a
+    dead peer's address and fail in gloo's connect ("Gloo connectFullMesh failed"). Joining under
+    a key prefix private to the attempt (``restart_N/``, N = TORCHELASTIC_RESTART_COUNT) avoids
+    it; chapters/03_torchrun/restart_demo.py shows the race and the counts are recorded in
+    benchmarks/results/ch03_restart_races.json. On several nodes, where each agent counts its own
+    restarts, launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` instead (a new store per
+    attempt; this function then joins with plain env://).
+    """
     _require_torchrun_environment()
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -95,10 +107,19 @@ def process_group(timeout_s: float = 120.0, backend: str = "auto") -> Iterator[D
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     atexit.register(gc.collect)  # see the module docstring
+    timeout = timedelta(seconds=timeout_s)
+    joining = {}  # plain env:// unless this attempt needs a store namespace of its own
+    if restart_safe and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                    is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        joining = dict(store=dist.PrefixStore(f"restart_{attempt}", agent_store),
+                       rank=rank, world_size=world_size)
     dist.init_process_group(
         backend,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if backend == "nccl" else None,
+        **joining,
     )
     try:
         yield DistContext(rank, local_rank, world_size, backend, device)

@@ -29,7 +29,7 @@ out; ``--plain-init`` reproduces it). Joining under a key prefix private to the 
 caveat: each node's agent keeps its own TORCHELASTIC_RESTART_COUNT, so on several nodes the
 counts can differ; there, launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` instead, which
 gives every attempt a new store (and a new MASTER_PORT), so that plain env:// is fine (this
-script then uses it). How often each variant failed is recorded, with the command that repeats
+script then uses it). The joining is ``process_group(restart_safe=True)`` in ddpcourse/dist_env.py. How often each variant failed is recorded, with the command that repeats
 the count, in benchmarks/results/ch03_restart_races.json (benchmarks/ch03_restart_races.py).
 """
 
@@ -42,48 +42,15 @@ import signal
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
-from datetime import timedelta
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from ddpcourse.dist_env import DistContext, pick_backend, process_group
+from ddpcourse.dist_env import process_group
 
 
 def attempt() -> int:
     return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-
-
-@contextmanager
-def group_for_this_attempt(timeout_s: float, plain: bool) -> Iterator[DistContext]:
-    """Join the process group in a store namespace that no earlier attempt has written to."""
-    if plain or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        with process_group(timeout_s=timeout_s) as ctx:  # a fresh store per attempt, or --plain
-            yield ctx
-        return
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    backend = pick_backend(int(os.environ["LOCAL_WORLD_SIZE"]))
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    timeout = timedelta(seconds=timeout_s)
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                is_master=False, timeout=timeout)
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"restart_{attempt()}", agent_store),
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device if backend == "nccl" else None,
-    )
-    try:
-        yield DistContext(rank, local_rank, world_size, backend, device)
-    finally:
-        dist.destroy_process_group()
 
 
 def log_event(path: str, event: str, **extra) -> None:
@@ -144,7 +111,7 @@ def main() -> int:
 
     log_event(log, "started")
     failing_attempt = attempt() < opts.fail_attempts
-    with group_for_this_attempt(timeout_s=20, plain=opts.plain_init) as ctx:
+    with process_group(timeout_s=20, restart_safe=not opts.plain_init) as ctx:
         if failing_attempt and ctx.rank != opts.fail_rank:
             log_sigterm_then_die(log)  # before the all-reduce that the failing rank leaves first
         total = torch.tensor([float(ctx.rank)], device=ctx.device)
