@@ -26,6 +26,7 @@ leftovers of earlier writers, which is safe because a directory has one writer.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import tempfile
@@ -157,6 +158,49 @@ class CheckpointDir:
         if path is None:
             return None
         return torch.load(path, map_location=map_location, weights_only=weights_only)
+
+
+class PausingWriter:
+    """A binary file for ``torch.save(obj, PausingWriter(file, ...))`` that, once ``pause_at``
+    bytes have gone to ``file``, flushes them and calls ``pause()`` before writing on. For the
+    lessons' demonstrations: it stops a real ``torch.save`` at a chosen byte, every run, so that
+    another rank or process can look at (or kill) a save in progress without a timing race.
+
+    ``torch.save`` into a file object (``_open_zipfile_writer_buffer`` in torch/serialization.py)
+    writes the same bytes in the same order as into a path: the file is opened (truncated) first,
+    then written from the start to the end."""
+
+    def __init__(self, file: BinaryIO, pause_at: int, pause: Callable[[], Any]):
+        self.file = file
+        self.pause_at = pause_at
+        self.pause = pause
+        self.written = 0
+        self.paused = False
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        size = len(data)
+        if not self.paused and self.written + len(data) >= self.pause_at:
+            head = self.pause_at - self.written
+            self.file.write(data[:head])
+            self.file.flush()
+            self.written += head
+            self.paused = True
+            self.pause()
+            data = data[head:]
+        self.file.write(data)
+        self.written += len(data)
+        return size
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def saved_size(obj: Any) -> int:
+    """How many bytes ``torch.save(obj, ...)`` writes."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.tell()
 
 
 def self_check() -> list[str]:
