@@ -19,9 +19,10 @@ prefix, optimizer state keyed by parameter name instead of by number) and saved 
   exists;
 * who wrote what, read back from the metadata (``Metadata.storage_data``: each item's file,
   offset and length). Under DDP every rank holds every tensor, and DCP writes each replicated
-  item once: the coordinator gives it to the rank with the fewest bytes planned so far
-  (``dedup_save_plans`` in torch/distributed/checkpoint/_dedup_save_plans.py), so both ranks
-  write about half, not rank 0 everything;
+  item once: the coordinator gives it to the rank with the fewest tensor bytes planned so far
+  (``dedup_save_plans`` in torch/distributed/checkpoint/_dedup_save_plans.py; a non-tensor item
+  counts as one byte), so the ranks share the writing instead of rank 0 writing everything;
+  each item is stored with ``torch.save``'s framing (about 1.6 KB for a 16-float bias);
 * ``dcp.save`` is collective: counted, it calls ``gather_object``, ``scatter_object_list`` and
   ``broadcast_object_list`` (the planning and the commit of ``_save_state_dict`` in
   state_dict_saver.py, through ``_DistWrapper`` in utils.py), which every rank of the group must
