@@ -141,6 +141,7 @@ def test_who_writes_check_passes_on_data_from_real_ranks(who_writes_results, no_
     # rank 1 wrote its whole file; rank 0 then overwrote the second half: 2.0s first, then 1.0s
     assert torn["bias"] == {1.0: 4} and set(torn["weight"]) == {1.0, 2.0}
     assert sum(torn["weight"].values()) == 256
+    assert r0["every rank writes plainly"]["CRC-32 mismatch (zipfile)"] == "data/0"  # weight
 
 
 WHO_WRITES_WRONG = {
@@ -157,6 +158,8 @@ WHO_WRITES_WRONG = {
         {"load error": "RuntimeError: x", "values": None}),
     "the torn file holds one rank's tensor": lambda r: r[0]["every rank writes plainly"].update(
         {"values": {"weight": {2.0: 256}, "bias": {1.0: 4}}}),
+    "the CRC-32s match": lambda r: r[0]["every rank writes plainly"].update(
+        {"CRC-32 mismatch (zipfile)": None}),
     "a half-written plain file loads": lambda r: r[1]["reader without barrier"][
         "plain, over step 1"].update({"read half way": 2}),
     "an atomic save shows the new step early": lambda r: r[1]["reader without barrier"][

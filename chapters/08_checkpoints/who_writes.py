@@ -22,9 +22,12 @@ What each function shows (each runs in every rank of a process group, e.g. throu
 * :func:`every_rank_writes_plainly`: two plain ``torch.save`` calls on one path, interleaved as
   two processes can interleave them (rank 0 has written half its bytes when rank 1 truncates the
   file and writes all of its own; rank 0 then writes its second half at its own offset). The torn
-  file *loads without an error*, and holds half of one rank's tensor and half of the other's:
-  PyTorch builds miniz with ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS`` (cmake/Dependencies.cmake
-  in the PyTorch repository), so the checksums torch.save writes are not checked on load.
+  file *loads without an error*, and holds half of one rank's tensor and half of the other's.
+  ``torch.save`` writes a CRC-32 for every record, but PyTorch's build compiles its zip reader
+  (miniz) with ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS`` (``add_definitions`` in the PyTorch
+  repository's CMake files, cmake/Dependencies.cmake), so ``torch.load`` never compares them.
+  When the two halves fit together (same shapes, same names, as on DDP replicas), nothing
+  notices; Python's ``zipfile.ZipFile(path).testzip()``, which does check, names the torn record.
 * :func:`reader_without_barrier`: rank 1 reads while rank 0's save of step 2 is half written,
   over a file that holds step 1. A plain ``torch.save`` has already truncated the path: the load
   fails, and step 1 is gone. An atomic save leaves step 1 in place: the load succeeds with the
@@ -41,6 +44,7 @@ import os
 import shutil
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -221,11 +225,16 @@ def every_rank_writes_plainly(rank: int, world_size: int, directory: str) -> dic
         dist.barrier()
         dist.barrier()
     dist.barrier()  # 3: rank 0 has finished
+    with zipfile.ZipFile(path) as archive:
+        bad_record = archive.testzip()  # the first record whose CRC-32 does not match
+    bad_record = bad_record.split("/", 1)[-1] if bad_record else None
     try:
         loaded = torch.load(path, weights_only=True)
     except Exception as error:  # noqa: BLE001 - which error a torn file gives is the point
-        return {"bytes": path.stat().st_size, "load error": first_line(error), "values": None}
+        return {"bytes": path.stat().st_size, "load error": first_line(error), "values": None,
+                "CRC-32 mismatch (zipfile)": bad_record}
     return {"bytes": path.stat().st_size, "load error": None,
+            "CRC-32 mismatch (zipfile)": bad_record,
             "values": {name: {value: int((t == value).sum()) for value in sorted(set(t.tolist()))}
                        for name, t in loaded.items()}}
 
@@ -335,6 +344,8 @@ def problems(results: list[dict]) -> list[str]:
            and sorted(torn[0]["values"]["weight"]) == [1.0, 2.0],
            "the torn file should load silently with a tensor half rank 0's, half rank 1's, got "
            f"{torn[0]}")
+    expect(torn[0]["CRC-32 mismatch (zipfile)"] is not None,
+           "zipfile's testzip should find a record whose CRC-32 does not match")
     reads = r1["reader without barrier"]
     plain = reads["plain, over step 1"]
     expect(isinstance(plain["read half way"], str)
