@@ -342,8 +342,9 @@ def problems(results: list[dict]) -> list[str]:
         expect(only0[drift] > 0.0,
                "with the optimizer loaded on rank 0 only, the ranks should drift apart")
         if rank > 0:
-            expect(only0["Adam state entries after loading"] == 0 and only0["Adam step counts after loading"]
-                   == [], f"rank {rank}: without loading, its Adam state should be empty")
+            expect(only0["Adam state entries after loading"] == 0
+                   and only0["Adam step counts after loading"] == [],
+                   f"rank {rank}: without loading, its Adam state should be empty")
     return found
 
 

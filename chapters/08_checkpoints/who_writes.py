@@ -53,8 +53,8 @@ import torch.distributed as dist
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling module, also when this
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # file is imported by its path
-from checkpoint_files import (PausingWriter, replace_atomically, save_atomically,  # noqa: E402
-                              saved_size)  # noqa: E402
+from checkpoint_files import (  # noqa: E402
+    PausingWriter, replace_atomically, save_atomically, saved_size)
 
 from ddpcourse.dist_env import process_group  # noqa: E402
 
@@ -206,7 +206,8 @@ def every_rank_writes_plainly(rank: int, world_size: int, directory: str) -> dic
     use the same form for the two halves to fit together, as they do when every rank runs the
     same line of code."""
     path = Path(directory) / "everyone_plain.pt"
-    state = {"weight": torch.full((256,), float(rank + 1)), "bias": torch.full((4,), float(rank + 1))}
+    value = float(rank + 1)
+    state = {"weight": torch.full((256,), value), "bias": torch.full((4,), value)}
     half = saved_size(state) // 2
 
     def let_rank1_write():
@@ -270,13 +271,16 @@ def reader_without_barrier(rank: int, world_size: int, directory: str) -> dict:
 
         if rank == 0:
             state = replica_state(step=2)
-            pausing = lambda file: PausingWriter(file, saved_size(state) // 2,  # noqa: E731
-                                                 let_the_others_read)
+
+            def save_pausing_half_way(file) -> None:
+                torch.save(state, PausingWriter(file, saved_size(state) // 2,
+                                                let_the_others_read))
+
             if method == "plain":
-                with open(path, "wb") as file:
-                    torch.save(state, pausing(file))
+                with open(path, "wb") as file:  # what torch.save(state, path) does first
+                    save_pausing_half_way(file)
             else:
-                replace_atomically(path, lambda file: torch.save(state, pausing(file)))
+                replace_atomically(path, save_pausing_half_way)
         else:
             dist.barrier()  # 1
             half_way = read_outcome(path)
