@@ -15,7 +15,7 @@ kills it at the same byte. The points:
 * ``"half written"``: after half of the file's bytes (:class:`checkpoint_files.PausingWriter`).
   A plain save leaves a truncated archive that ``torch.load`` rejects (a zip archive's
   directory is at its end). The error depends on where the cut falls: ``OSError: [Errno 22]
-  Invalid argument`` for this file cut at half its 18,024 bytes, ``RuntimeError: ... failed
+  Invalid argument`` for this file cut at half its 18,025 bytes, ``RuntimeError: ... failed
   finding central directory`` for a cut in the first few KiB (who_writes.py shows one);
 * ``"before the pointer moves"`` (atomic only): the new checkpoint file is complete, the
   ``latest`` pointer still names the previous one.
@@ -121,9 +121,11 @@ def write_until_killed(method: str, kill_point: str, directory: Path, stop: Stop
             replace(path, write)
 
         checkpoint_files.replace_atomically = stop_at_the_pointer
-    if method == "plain":
+    if method == "plain" and kill_point == "half written":
         with open(directory / PLAIN_NAME, "wb") as file:  # as torch.save(state, path) opens it
-            torch.save(state, file)
+            torch.save(state, file)  # the PausingWriter needs a file object
+    elif method == "plain":
+        torch.save(state, directory / PLAIN_NAME)
     else:
         CheckpointDir(directory, keep=2).save(state, step=2)
 
