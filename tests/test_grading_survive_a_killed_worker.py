@@ -160,3 +160,10 @@ def test_the_judges_read_reports_as_untrusted_data():
         checks.judge_killed([report | {"events": forged}], 1, killed)
     with pytest.raises(CheckFailed, match="lacks 'timed_out'"):
         checks.judge_killed([{"events": [], "stderr": ""}], 1, killed)
+    raised = {"event": "train raised", "error": {"type": "KeyError", "message": "'rng'"}}
+    with pytest.raises(CheckFailed, match="before the fault, rank 1's train raised KeyError"):
+        checks.judge_killed([report | {"events": [raised | {"attempt": 0, "rank": 1}]}], 1,
+                            killed)
+    after = [*forged[:2], raised | {"attempt": 1, "rank": 0}]
+    with pytest.raises(CheckFailed, match="after the restart, rank 0's train raised KeyError"):
+        checks.judge_killed([report | {"events": after, "returncode": 1}], 1, killed)

@@ -190,8 +190,14 @@ def worker_main(work: str) -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise InjectedFault(f"rank {ctx.rank} fails on purpose after step {step}")
 
-        train(ddp_model, optimizer, lambda step: batch_at(s["seed"], ctx.rank, step),
-              s["total_steps"], os.path.join(work, "checkpoints"), s["every"], on_step)
+        try:
+            train(ddp_model, optimizer, lambda step: batch_at(s["seed"], ctx.rank, step),
+                  s["total_steps"], os.path.join(work, "checkpoints"), s["every"], on_step)
+        except InjectedFault:
+            raise
+        except Exception as exc:
+            _log(work, event="train raised", error=_raised(exc))
+            raise
         _log(work, event="returned")
         if ctx.rank == 0:
             torch.save(model_state(ddp_model.module), os.path.join(work, "final.pt"))
@@ -335,11 +341,25 @@ def judge_killed(observations, world_size, s):
                           f"was stopped (a rank waiting for another?). Its last output:\n{tail}")
     faults = [e for e in events if isinstance(e, dict) and e.get("event") == s["fault"]
               and e.get("attempt") == 0]
+    errors = [e for e in events if isinstance(e, dict) and e.get("event") == "train raised"]
+    if errors and not faults:
+        first = errors[0]
+        raised = observed(first, "error", dict)
+        raise CheckFailed(f"{what}: in the first attempt, before the fault, rank "
+                          f"{cut_text(first.get('rank'), 10)}'s train raised "
+                          f"{cut_text(observed(raised, 'type', str), 80)}: "
+                          f"{cut_text(observed(raised, 'message', str), _MAX_TEXT)}")
     if not faults:
         raise CheckFailed(f"{what}: the fault was never injected: rank {s['fault_rank']} never "
                           f"called on_step({s['fault_step']}) in the first attempt. Its output:"
                           f"\n{tail}")
     returncode = observed(observation, "returncode", int)
+    later = [e for e in errors if e.get("attempt") != 0]
+    if returncode != 0 and later:
+        raised = observed(later[0], "error", dict)
+        raise CheckFailed(f"{what}: after the restart, rank {cut_text(later[0].get('rank'), 10)}"
+                          f"'s train raised {cut_text(observed(raised, 'type', str), 80)}: "
+                          f"{cut_text(observed(raised, 'message', str), _MAX_TEXT)}")
     if returncode != 0:
         raise CheckFailed(f"{what}: torchrun exited with code {returncode}: the restarted "
                           f"workers did not finish. Their last output:\n{tail}")
