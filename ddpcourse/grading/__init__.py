@@ -13,7 +13,10 @@
   all-reduce), bucketed_ddp (broadcast, BucketedDDP), sampler_by_hand (DistributedSampler's
   indices by hand), train_steps (gradient accumulation with one all-reduce per step),
   global_metrics (exact loss and accuracy of a whole data set), fix_the_loop (a DDP loop's three
-  silent bugs: a head outside DDP, a summed loss, a rank's own loss logged). Hidden checks are grader-only, in ``autograder.hidden.<slug>``.
+  silent bugs: a head outside DDP, a summed loss, a rank's own loss logged),
+  resumable_checkpoint (save on rank 0 atomically, load on every rank, resume bit for bit),
+  survive_a_killed_worker (a loop that resumes after torchrun restarts a killed worker).
+  Hidden checks are grader-only, in ``autograder.hidden.<slug>``.
 * :mod:`ddpcourse.grading.forbidden` - run a student's function under a profile hook that sees
   whether a forbidden shortcut (the library function to be rebuilt) ran.
 * :mod:`ddpcourse.grading.notebook_runner` - execute a notebook and report each test cell.
