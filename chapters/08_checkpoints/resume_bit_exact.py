@@ -3,6 +3,9 @@ the checkpoint is for, measured by leaving it out.
 
     torchrun --standalone --nproc_per_node 2 chapters/08_checkpoints/resume_bit_exact.py
 
+Launch test: custom (tests/test_chapter_08_resume.py launches it once, with ``--json PATH``, and
+checks every row of the table it writes there; one launch instead of two in CI).
+
 Every experiment runs in the same 2 ranks (one process group) with train.py's ``train`` on a small
 configuration (256 training samples, batch 16 per rank: 8 optimizer steps per epoch; dropout,
 noisy samples fetched by one DataLoader worker per rank, a cosine schedule, SGD with momentum),
@@ -30,7 +33,9 @@ from (Python's and NumPy's generators in the ranks) does not; persistent workers
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
 import shutil
 import sys
 import tempfile
@@ -132,13 +137,15 @@ def all_experiments(rank: int, world_size: int) -> dict:
     try:
         return {"fp32": resume_experiments(rank, world_size, name[0], "fp32"),
                 "fp16, growth_interval 2000": resume_experiments(
-                    rank, world_size, name[0], "fp16-2000", amp="fp16"),
+                    rank, world_size, name[0], "fp16-2000", amp="fp16", workers=0),
                 "fp16, growth_interval 2": resume_experiments(
-                    rank, world_size, name[0], "fp16-2", amp="fp16", scaler_growth_interval=2),
+                    rank, world_size, name[0], "fp16-2", amp="fp16", scaler_growth_interval=2,
+                    workers=0),
                 "persistent workers": whole_checkpoint_experiment(
                     rank, world_size, name[0], "persistent", persistent_workers=True),
                 "evaluation draws from it": whole_checkpoint_experiment(
-                    rank, world_size, name[0], "evaluation", evaluation_apart=False)}
+                    rank, world_size, name[0], "evaluation", evaluation_apart=False,
+                    workers=0)}
     finally:
         dist.barrier()
         if rank == 0:
@@ -178,7 +185,10 @@ def problems(results: dict) -> list[str]:
     return found
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the results there (rank 0)")
+    args = parser.parse_args(argv)
     with process_group() as ctx:
         results = all_experiments(ctx.rank, ctx.world_size)
         found = problems(results)
@@ -186,6 +196,8 @@ def main() -> int:
                    f"{steps_per_epoch(ctx.world_size)} steps, checkpoint after epoch "
                    f"{STOP_EPOCH}, resumed in fresh state; compared with the straight run:")
         ctx.print0(table(results))
+        if args.json and ctx.is_main:
+            Path(args.json).write_text(json.dumps(results, indent=1))
         for line in found:
             ctx.print0("PROBLEM:", line)
         ctx.print0("checks:", "FAILED" if found else "passed")
