@@ -162,10 +162,14 @@ def findings(record: dict) -> list[str]:
         f"dcp.async_save {median('dcp.async_save', 'call_ms'):.0f} ms (the staging copy)",
         f"median wait for async_save's future after {steps} steps: "
         f"{median('dcp.async_save', 'wait_ms'):.0f} ms",
-        f"so, in the least disturbed segments, dcp.async_save cost the training loop "
-        f"{'less' if async_extra < sync_extra else 'at least as much'} than dcp.save "
-        f"({async_extra:+.0f} vs {sync_extra:+.0f} ms per checkpoint)",
     ]
+    if not record["conclusive"]:
+        lines.append("no comparison is drawn: the verdict says this run is not conclusive "
+                     "(rerun on a quiet machine)")
+    else:
+        lines.append(f"so, in the least disturbed segments, dcp.async_save cost the training "
+                     f"loop {'less' if async_extra < sync_extra else 'at least as much'} than "
+                     f"dcp.save ({async_extra:+.0f} vs {sync_extra:+.0f} ms per checkpoint)")
     return lines
 
 
