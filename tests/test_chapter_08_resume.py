@@ -71,14 +71,14 @@ def test_the_whole_checkpoint_resumes_bit_exact_and_each_used_piece_is_needed(ta
     for setting in ("fp32", "fp16, growth_interval 2000", "fp16, growth_interval 2"):
         whole = rows[(setting, "nothing (whole checkpoint)")]
         assert whole["weights_equal"] and whole["optimizer_equal"], (setting, whole)
-        assert whole["max_weight_difference"] == 0.0 and whole["steps_run"] == 16
+        assert whole["max_weight_difference"] == 0.0 and whole["steps_run"] == 8
     needed = [p for p in tr.PIECES if p not in rbe.UNUSED_HERE + ("GradScaler", "CUDA RNG")]
     for piece in needed:
         row = rows[("fp32", piece)]
         assert not row["bit_exact"] and row["max_weight_difference"] > 0, (piece, row)
     for piece in rbe.UNUSED_HERE:
         assert rows[("fp32", piece)]["bit_exact"], piece
-    assert rows[("fp32", "step counter")]["steps_run"] == 32  # it trained 4 epochs again
+    assert rows[("fp32", "step counter")]["steps_run"] == 16  # it trained 4 epochs again
     assert not rows[("fp16, growth_interval 2", "GradScaler")]["bit_exact"]
     assert not rows[("persistent workers", "nothing (whole checkpoint)")]["bit_exact"]
     assert not rows[("evaluation draws from it", "nothing (whole checkpoint)")]["bit_exact"]

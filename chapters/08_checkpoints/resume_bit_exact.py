@@ -7,7 +7,7 @@ Launch test: custom (tests/test_chapter_08_resume.py launches it once, with ``--
 checks every row of the table it writes there; one launch instead of two in CI).
 
 Every experiment runs in the same 2 ranks (one process group) with train.py's ``train`` on a small
-configuration (256 training samples, batch 16 per rank: 8 optimizer steps per epoch; dropout,
+configuration (128 training samples, batch 16 per rank: 4 optimizer steps per epoch; dropout,
 noisy samples fetched by one DataLoader worker per rank, a cosine schedule, SGD with momentum),
 ``torch.use_deterministic_algorithms(True)``:
 
@@ -61,7 +61,7 @@ def _import_train():
 
 train = _import_train()
 
-SMALL = dict(train_samples=256, eval_samples=64, batch_size=16, hidden=32, epochs=4, workers=1,
+SMALL = dict(train_samples=128, eval_samples=32, batch_size=16, hidden=32, epochs=4, workers=1,
              progress=False)
 STOP_EPOCH = 2
 # Pieces that nothing in these ranks draws from: leaving them out changes nothing here.
