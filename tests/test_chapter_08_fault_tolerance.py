@@ -3,9 +3,10 @@
 Real launches of ``python -m torch.distributed.run --standalone --nproc_per_node 2``, each with a
 deadline at which torchrun and every worker are killed: the uninterrupted run, a worker really
 SIGKILLed after step 14 and a worker raising there (``--max_restarts 1``: every rank restarted,
-resumed at the checkpoint of step 12, mid-epoch, 2 steps redone, final weights bit-identical), the SIGKILL
-with ``--max_restarts 0`` (the job fails), and the driver's clean-up of workers torchrun started
-in sessions of their own. The driver's checks are also shown to catch wrong launches.
+resumed at the checkpoint of step 12, mid-epoch, 2 steps redone, final weights bit-identical),
+the SIGKILL with ``--max_restarts 0`` (the job fails), and the driver's clean-up of workers
+torchrun started in sessions of their own. The driver's checks are also shown to catch wrong
+launches.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ From the ranks' event log (pid, attempt, checkpoints, resume) and the final weig
 torchrun's agent restarted *every* rank (attempt 1 has new pids for both ranks, not only the one
 that died; ``LocalElasticAgent`` stops and restarts the whole worker group), the new attempt
 resumed from the last checkpoint attempt 0 completed (step 12, in the middle of epoch 2), so
-the steps done after it were done twice (14 - 12 = 2), the final weights are bit-identical to the uninterrupted run's, and with
-``--max_restarts 0`` the job fails: no attempt 1, no final weights, a non-zero exit.
+the steps done after it were done twice (14 - 12 = 2), the final weights are bit-identical to
+the uninterrupted run's, and with ``--max_restarts 0`` the job fails: no attempt 1, no final
+weights, a non-zero exit.
 
 Every launch has a deadline. torchrun (torch 2.13) starts each worker in a session of its own
 (``start_new_session=True`` in ``SubprocessHandler._popen``,
