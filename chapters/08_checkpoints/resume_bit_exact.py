@@ -19,6 +19,13 @@ noisy samples fetched by one DataLoader worker per rank, a cosine schedule, SGD 
    compared with the reference: ``torch.equal`` on every parameter and every optimizer state
    tensor, and the largest absolute weight difference.
 
+What "left out" means, row by row (``--forget`` in train.py does the same): optimizer, scheduler,
+GradScaler: freshly built ones are used; step counter: the run starts again at step 0 (it trains
+all 4 epochs from the checkpoint's weights); sampler epoch: the resumed run counts the sampler's
+epochs from 0 again; torch / Python / NumPy RNG: that generator keeps its fresh seed; per-rank
+RNG: every rank restores rank 0's states; loader generator: the loader's generator keeps its
+fresh seed, so the workers of the resumed epochs get other seeds.
+
 A row for the GradScaler compares fp16 runs (autocast + GradScaler on the CPU) with an fp16
 reference, at torch's default ``growth_interval`` (2000: over 32 steps the scale never grows, so
 the scaler's state is its initial one unless a step overflowed) and at ``growth_interval=2``
