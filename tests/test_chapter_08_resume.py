@@ -115,12 +115,25 @@ def resume_in_the_middle_of_an_epoch(rank: int, world_size: int) -> dict:
     stopped = tr.train(rank, world_size, **MID_EPOCH, checkpoint_dir=directory,
                        checkpoint_every=2, keep=2, stop_at_step=4)
     kept = sorted(p.name for p in Path(directory).glob("step_*.pt"))
+    saved = torch.load(tr.checkpoint_files.CheckpointDir(directory, keep=2).latest())
+    dist.barrier()  # every rank has read it before the resume writes the next ones
     resumed = tr.train(rank, world_size, **MID_EPOCH, checkpoint_dir=directory,
                        checkpoint_every=2, resume=True, save_final=f"{root[0]}/final.pt")
     final = torch.load(f"{root[0]}/final.pt") if rank == 0 else None
     dist.barrier()
     return {"reference": reference, "stopped": stopped, "resumed": resumed, "kept": kept,
-            "final": final, "root": root[0]}
+            "saved": saved, "final": final, "root": root[0]}
+
+
+def same(a, b) -> bool:
+    """Equal values, tensors bit for bit, through tuples, lists and dicts."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
 
 
 def test_a_resume_mid_epoch_with_workers_and_accumulation_is_bit_exact(no_orphans):
@@ -132,6 +145,18 @@ def test_a_resume_mid_epoch_with_workers_and_accumulation_is_bit_exact(no_orphan
         assert reference["total_steps"] == 6 and stopped["final_step"] == 4
         assert rank0["kept"] == ["step_00000002.pt", "step_00000004.pt"]
         assert resumed["resumed_from"] == 4 and resumed["steps_run"] == 2
+        # the checkpoint holds every piece, each rank's random-number states as that rank had them
+        saved = rank0["saved"]
+        assert {"model", "optimizer", "scheduler", "step", "epoch", "batch",
+                "sampler epoch", "rng"} <= saved.keys()
+        assert (saved["step"], saved["epoch"], saved["batch"], saved["sampler epoch"]) == (
+            4, 1, 3, 1)  # 3 steps per epoch: step 4 is epoch 2's first window of 3 batches
+        assert saved["optimizer"]["state"] and saved["scheduler"]["last_epoch"] == 4
+        assert [set(r) for r in saved["rng"]] == [{"python", "numpy", "torch",
+                                                  "loader generator at epoch start"}] * 2
+        for rank, result in enumerate((rank0, rank1)):
+            assert same(saved["rng"][rank], result["stopped"]["rng"]), rank
+        assert not same(saved["rng"][0], saved["rng"][1])  # per-rank streams
         for name, value in reference["weights"].items():
             assert torch.equal(resumed["weights"][name], value), name
             assert torch.equal(rank1["resumed"]["weights"][name], value), name
@@ -147,6 +172,28 @@ def test_a_resume_mid_epoch_with_workers_and_accumulation_is_bit_exact(no_orphan
         assert tr.problems(resumed) == [] and tr.problems(reference) == []
     finally:
         shutil.rmtree(rank0["root"], ignore_errors=True)
+
+
+def test_restoring_the_saved_random_states_repeats_every_generators_draws():
+    """set_rng_state(rng_state(...)) in one process: Python, NumPy and torch draw again what
+    they drew after the save; a forgotten piece does not."""
+    import random
+
+    import numpy as np
+
+    def draws():
+        return (random.random(), float(np.random.rand()), torch.rand(1).item())
+
+    saved = tr.rng_state(torch.Generator().get_state())
+    try:
+        first = draws()
+        tr.set_rng_state(saved, forget=())
+        assert draws() == first
+        tr.set_rng_state(saved, forget=("NumPy RNG",))
+        again = draws()
+        assert again[0] == first[0] and again[2] == first[2] and again[1] != first[1]
+    finally:
+        tr.set_rng_state(saved, forget=())  # this test process's streams as they were
 
 
 def fake_history(**changes) -> dict:

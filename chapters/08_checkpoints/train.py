@@ -516,7 +516,8 @@ def train(rank: int, world_size: int, config: Config | None = None, **overrides)
             "checksums": ch07.gathered_checksums(ddp_model.module, device),
             "weights": {name: p.detach().cpu().clone()
                         for name, p in ddp_model.module.named_parameters()},
-            "optimizer_state": flat_optimizer_state(optimizer)}
+            "optimizer_state": flat_optimizer_state(optimizer),
+            "rng": rng_state(trainer.generator_at_epoch_start)}
 
 
 def problems(history: dict) -> list[str]:
