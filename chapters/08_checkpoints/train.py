@@ -22,6 +22,9 @@ seeds, compile-then-wrap, autocast, the global evaluation, the checksums and its
   ``numpy`` and ``torch`` from that base seed + ``i`` (``_worker_loop`` in
   torch/utils/data/_utils/worker.py). Workers are not persistent: persistent workers are seeded
   once, in the first epoch, and their streams can't be saved from the main process;
+* the evaluation (chapter 07's) inside ``torch.random.fork_rng``: its DataLoader has no generator,
+  so every evaluation would take one draw from the global torch stream after a checkpoint at the
+  end of an epoch was saved, and a resumed run would be one draw behind (:func:`evaluate_apart`);
 * checkpoints (``--checkpoint-dir``, every ``--checkpoint-every`` optimizer steps; default once
   per epoch), each holding: ``model.module.state_dict()`` (no ``module.`` prefix), the optimizer,
   the scheduler, the GradScaler (fp16), the step counter and the position in the epoch (epoch,
