@@ -488,6 +488,10 @@ def train(rank: int, world_size: int, config: Config | None = None, **overrides)
         directory = checkpoint_files.CheckpointDir(config.checkpoint_dir, keep=config.keep)
         if config.resume:
             state = directory.load_latest(map_location="cpu")
+    if state is not None and state["world size"] != world_size:
+        raise ValueError(f"the checkpoint was written by {state['world size']} ranks, this run has "
+                         f"{world_size}: its per-rank random states and sampler shards do not "
+                         "fit (dcp_reshard.py shows resharding with torch.distributed.checkpoint)")
     if state is not None:
         model.load_state_dict(state["model"])  # before wrapping: DDP starts from these weights
     ddp_model = ch07.wrap_model(model, config, device)
