@@ -12,6 +12,7 @@ data. Compiling happens in the ranks, whose warm server has ``torch._dynamo`` im
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -25,7 +26,26 @@ CHAPTER = ROOT / "chapters" / "07_training_loop"
 sys.path.insert(0, str(CHAPTER))  # the ranks get this sys.path too
 
 import compile_with_ddp as cw  # noqa: E402
-import train as tr  # noqa: E402
+
+
+def _train_module():
+    """Chapter 07's train.py as ``ch07_train`` (the name chapter 08's train.py gives it): chapter
+    08 has a ``train.py`` too, and a plain ``import train`` (here or in a rank) gets whichever
+    chapter folder comes first on sys.path."""
+    if "ch07_train" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("ch07_train", CHAPTER / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["ch07_train"] = module  # before running it: dataclasses look it up there
+        spec.loader.exec_module(module)
+    return sys.modules["ch07_train"]
+
+
+tr = _train_module()
+
+
+def train_in_rank(rank, world_size, **kwargs):
+    """``tr.train`` for run_ranks: the ranks import this test module, which loads ch07_train."""
+    return _train_module().train(rank, world_size, **kwargs)
 
 CAPS_MB = (1, 2, 25)
 
@@ -165,8 +185,8 @@ TOLERANCE = 1e-5
 
 
 def one_and_two_ranks(batch: int, accumulation: int):
-    single = run_ranks(tr.train, 1, batch_size=batch * 2 * accumulation, timeout=60, **QUIET)[0]
-    double = run_ranks(tr.train, 2, batch_size=batch, accumulation_steps=accumulation,
+    single = run_ranks(train_in_rank, 1, batch_size=batch * 2 * accumulation, timeout=60, **QUIET)[0]
+    double = run_ranks(train_in_rank, 2, batch_size=batch, accumulation_steps=accumulation,
                        timeout=60, **QUIET)
     return single, double
 
@@ -187,7 +207,7 @@ def test_two_ranks_train_what_one_rank_trains_on_the_same_global_batch(no_orphan
 
 def test_the_saved_model_is_the_plain_module_with_the_trained_weights(tmp_path, no_orphans):
     path = tmp_path / "model.pt"
-    rank0 = run_ranks(tr.train, 2, save=str(path), timeout=60, **QUIET)[0]
+    rank0 = run_ranks(train_in_rank, 2, save=str(path), timeout=60, **QUIET)[0]
     saved = torch.load(path)
     assert not any(key.startswith(("module.", "_orig_mod.")) for key in saved["model"])
     config = tr.Config(**saved["config"])
@@ -201,7 +221,7 @@ def test_the_saved_model_is_the_plain_module_with_the_trained_weights(tmp_path, 
 def test_amp_compile_and_a_short_last_window_run_and_pass_the_check(no_orphans):
     """fp16 autocast + GradScaler on the CPU, compiled before wrapping (backend "eager": the
     wiring, not the compiler, is under test here), 32 batches in windows of 3."""
-    rank0 = run_ranks(tr.train, 2, amp="fp16", compile="eager", accumulation_steps=3,
+    rank0 = run_ranks(train_in_rank, 2, amp="fp16", compile="eager", accumulation_steps=3,
                       timeout=120, **QUIET)[0]
     assert rank0["optimizer_steps"] == 2 * 11  # ceil(32 / 3) windows per epoch
     assert tr.problems(rank0) == []

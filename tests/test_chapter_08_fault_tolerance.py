@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpcourse.launcher.processes import is_alive
+from ddpcourse.launcher.processes import is_alive, kill_tree
 
 CHAPTER = Path(__file__).resolve().parent.parent / "chapters" / "08_checkpoints"
 
@@ -78,7 +78,8 @@ def test_without_restarts_the_killed_worker_ends_the_job(tmp_path, no_orphans):
 
 def test_at_the_deadline_the_workers_in_their_own_sessions_are_killed_too(tmp_path, no_orphans):
     """torchrun starts each worker with start_new_session=True: killing torchrun's process group
-    alone would leave them running. stop_tree kills them."""
+    alone would leave them running. ``kill_tree`` (what ``run_bounded`` does at its deadline)
+    kills them."""
     events = tmp_path / "events.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "2", str(ft.TRAIN), "--epochs", "1000", "--no-progress", "--event-file",
@@ -94,7 +95,7 @@ def test_at_the_deadline_the_workers_in_their_own_sessions_are_killed_too(tmp_pa
                        ] if events.exists() else []
         assert len(started) == 2, f"the workers did not start: {started}"
         workers = [event["pid"] for event in started]
-        ft.stop_tree(proc.pid)
+        kill_tree(proc.pid)
         proc.wait(timeout=30)
         give_up = time.monotonic() + 10
         while any(map(is_alive, workers)) and time.monotonic() < give_up:
@@ -102,7 +103,7 @@ def test_at_the_deadline_the_workers_in_their_own_sessions_are_killed_too(tmp_pa
         assert not any(map(is_alive, workers)), workers
     finally:
         if proc.poll() is None:
-            ft.stop_tree(proc.pid)
+            kill_tree(proc.pid)
             proc.wait(timeout=30)
 
 

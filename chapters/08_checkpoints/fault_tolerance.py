@@ -25,16 +25,15 @@ weights, a non-zero exit.
 Every launch has a deadline. torchrun (torch 2.13) starts each worker in a session of its own
 (``start_new_session=True`` in ``SubprocessHandler._popen``,
 torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py), so killing
-torchrun's process group would leave the workers running: at the deadline this driver freezes
-torchrun (SIGSTOP, so it starts nothing new), kills every process below it, then torchrun.
+torchrun's process group would leave the workers running: at the deadline ``run_bounded``
+(ddpcourse/launcher/processes.py) freezes torchrun (SIGSTOP, so it starts nothing new), kills
+every process below it, then torchrun.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ddpcourse.launcher.processes import kill_process_group, live_descendants
+from ddpcourse.launcher import run_bounded
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -67,30 +66,13 @@ class Launch:
     final_weights: dict | None = None
 
 
-def stop_tree(pid: int) -> None:
-    """Kill ``pid`` (a torchrun agent) and every process below it, each in its own session."""
-    kill_process_group(pid, signal.SIGSTOP)  # the agent can start no new worker meanwhile
-    for child in live_descendants(pid):
-        kill_process_group(child, signal.SIGKILL)  # a worker, its group (DataLoader workers)
-    kill_process_group(pid, signal.SIGKILL)
-
-
 def run_torchrun(command: list[str], timeout: float) -> tuple[int, bool, str, str]:
-    """Run ``command`` with a deadline; at the deadline nothing it started survives."""
+    """Run ``command`` with a deadline; at the deadline nothing it started survives
+    (``run_bounded`` kills the agent and every worker below it)."""
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        stop_tree(proc.pid)
-        out, err = proc.communicate()
-    finally:
-        kill_process_group(proc.pid, signal.SIGKILL, group_only=True)
-    return proc.returncode, timed_out, out, err
+    finished = run_bounded(command, timeout, cwd=ROOT, env=env)
+    return finished.returncode, finished.timed_out, finished.stdout, finished.stderr
 
 
 def launch(name: str, root: str | Path, max_restarts: int = 1, fault: str = "",

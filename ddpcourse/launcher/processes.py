@@ -107,7 +107,18 @@ def is_alive(pid: int) -> bool:
 
 # A torchrun job is a tree of processes (the agent, its workers); ``subprocess.run(timeout=...)``
 # kills only the top one, so a hung rendezvous would leave workers running. run_bounded gives the
-# command a session of its own and kills that whole process group at the deadline.
+# command a session of its own and, at the deadline, kills every process below it as well: torchrun
+# starts each worker in a session of its own (``start_new_session=True`` in
+# torch/distributed/elastic/multiprocessing/subprocess_handler), so killing the command's process
+# group alone left both workers of a 2-rank job alive.
+
+
+def kill_tree(pid: int) -> None:
+    """Kill ``pid``'s process group and every process below it, whatever group each is in."""
+    kill_process_group(pid, signal.SIGSTOP)  # it can start no new child meanwhile
+    for child in live_descendants(pid):
+        kill_process_group(child, signal.SIGKILL)  # a child, and its group (DataLoader workers)
+    kill_process_group(pid, signal.SIGKILL)
 
 
 @dataclass
@@ -130,7 +141,7 @@ def run_bounded(cmd, timeout: float, cwd=None, env=None, shell: bool = False) ->
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        kill_process_group(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
     finally:
         kill_process_group(proc.pid, signal.SIGKILL, group_only=True)  # stragglers, if any
