@@ -238,9 +238,18 @@ for rank, r in enumerate(keys):
 # once per missing piece:
 
 # %%
-import resume_bit_exact as rb
+import json
 
-resumes = run_ranks(rb.all_experiments, 2, timeout=240, relay_output=False)[0]  # 16 runs' logs
+import resume_bit_exact as rb
+from ddpcourse.launcher import run_bounded
+
+# Launched as documented, under torchrun (fresh processes; a hard deadline kills every worker).
+table_file = Path(tempfile.mkdtemp(prefix="ch08_resume_")) / "table.json"
+launched = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", "resume_bit_exact.py", "--json", str(table_file)],
+                       timeout=300)
+assert launched.returncode == 0 and not launched.timed_out, launched.stderr[-3000:]
+resumes = json.loads(table_file.read_text())
 print(rb.table(resumes))
 print("claims contradicted:", rb.problems(resumes) or "none")
 
@@ -487,8 +496,6 @@ print("claims contradicted:", [p for r in async_results for p in ac.problems(r)]
 # same segment without a checkpoint.
 
 # %%
-import json
-
 import matplotlib.pyplot as plt
 
 record = json.loads((Path.cwd().parent.parent / "benchmarks" / "results"
