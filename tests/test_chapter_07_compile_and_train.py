@@ -12,13 +12,13 @@ data. Compiling happens in the ranks, whose warm server has ``torch._dynamo`` im
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from course_layout import import_by_path
 from ddpcourse.launcher import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,14 +30,8 @@ import compile_with_ddp as cw  # noqa: E402
 
 def _train_module():
     """Chapter 07's train.py as ``ch07_train`` (the name chapter 08's train.py gives it): chapter
-    08 has a ``train.py`` too, and a plain ``import train`` (here or in a rank) gets whichever
-    chapter folder comes first on sys.path."""
-    if "ch07_train" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("ch07_train", CHAPTER / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["ch07_train"] = module  # before running it: dataclasses look it up there
-        spec.loader.exec_module(module)
-    return sys.modules["ch07_train"]
+    08 has a ``train.py`` too."""
+    return import_by_path("ch07_train", CHAPTER / "train.py")
 
 
 tr = _train_module()

@@ -14,27 +14,20 @@ its sentences follow from its numbers.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from pathlib import Path
 
-import cloudpickle
 import pytest
 import torch
 
+from course_layout import import_by_path
 from ddpcourse.launcher import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_module(name: str, path: Path):
-    """Import a chapter script under a name of its own, sent to the ranks by value."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    cloudpickle.register_pickle_by_value(module)
-    return module
+    """A chapter script under a name of its own, sent to the ranks by value."""
+    return import_by_path(name, path, by_value=True)
 
 
 reshard = load_module("ch08_dcp_reshard", ROOT / "chapters/08_checkpoints/dcp_reshard.py")

@@ -12,7 +12,6 @@ launches.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
@@ -22,18 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from course_layout import import_by_path
 from ddpcourse.launcher.processes import is_alive, kill_tree
 
 CHAPTER = Path(__file__).resolve().parent.parent / "chapters" / "08_checkpoints"
 
 
 def import_chapter_module(name: str, file: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, CHAPTER / file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return import_by_path(name, CHAPTER / file)
 
 
 ft = import_chapter_module("ch08_fault_tolerance", "fault_tolerance.py")

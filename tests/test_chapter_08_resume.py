@@ -13,7 +13,6 @@ too). The functions the ranks run live in this module, which the ranks import by
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course_layout import import_by_path
 from ddpcourse.launcher import run_bounded, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,12 +32,7 @@ CHAPTER = ROOT / "chapters" / "08_checkpoints"
 
 
 def import_chapter_module(name: str, file: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, CHAPTER / file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return import_by_path(name, CHAPTER / file)
 
 
 tr = import_chapter_module("ch08_train", "train.py")

@@ -14,17 +14,16 @@ named like scripts of other chapters, and all share one pytest worker.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 import os
 import stat
 import sys
 from pathlib import Path
 
-import cloudpickle
 import pytest
 import torch
 
+from course_layout import import_by_path
 from ddpcourse.launcher import run_bounded, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,12 +32,7 @@ CHAPTER = ROOT / "chapters" / "08_checkpoints"
 
 def load_chapter_module(name: str):
     """The chapter's ``name.py`` as module ``ch08_name``, sent to ranks by value."""
-    spec = importlib.util.spec_from_file_location(f"ch08_{name}", CHAPTER / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    cloudpickle.register_pickle_by_value(module)
-    return module
+    return import_by_path(f"ch08_{name}", CHAPTER / f"{name}.py", by_value=True)
 
 
 cf = load_chapter_module("checkpoint_files")
