@@ -13,11 +13,13 @@ too). The functions the ranks run live in this module, which the ranks import by
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -98,7 +100,7 @@ def test_the_table_check_catches_wrong_rows(table):
 # --------------------------------------------------------------------- train.py, mid-epoch
 
 MID_EPOCH = dict(train_samples=224, eval_samples=61, batch_size=16, hidden=32, epochs=2,
-                 workers=1, accumulation_steps=3, progress=False)  # 7 batches: windows 3, 3, 1
+                 workers=1, accumulation_steps=3, progress=False, stuck_worker_s=60.0)  # 7 batches: windows 3, 3, 1
 
 
 def resume_in_the_middle_of_an_epoch(rank: int, world_size: int) -> dict:
@@ -222,3 +224,21 @@ def test_the_command_line_adds_this_chapters_options_to_chapter_07s():
                   ["--forget", "everything"]):
         with pytest.raises(SystemExit):
             tr.parse_args(wrong)
+
+
+class _NeverReturns(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        time.sleep(3600)
+
+
+def test_a_stuck_worker_reports_where_it_is_and_the_rank_fails_instead_of_waiting(capfd):
+    loader = torch.utils.data.DataLoader(
+        _NeverReturns(), num_workers=1, worker_init_fn=functools.partial(tr.report_if_stuck, 1.0))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        next(iter(loader))
+    assert time.monotonic() - started < 30
+    assert "in __getitem__" in capfd.readouterr().err  # the worker's stack, from faulthandler

@@ -71,7 +71,7 @@ def _import_train():
 train = _import_train()
 
 SMALL = dict(train_samples=128, eval_samples=32, batch_size=16, hidden=32, epochs=4, workers=1,
-             progress=False)
+             progress=False, stuck_worker_s=60.0)
 STOP_EPOCH = 2
 # Pieces that nothing in these ranks draws from: leaving them out changes nothing here.
 UNUSED_HERE = ("Python RNG", "NumPy RNG")

@@ -64,6 +64,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
+import functools
 import importlib.util
 import json
 import math
@@ -130,6 +132,7 @@ class Config(ch07.Config):
     forget: tuple = ()  # pieces a resume leaves out (for the lesson's table)
     persistent_workers: bool = False  # True only to show why it is off (resume_bit_exact.py)
     evaluation_apart: bool = True  # False only to show why it is on (resume_bit_exact.py)
+    stuck_worker_s: float = 0.0  # > 0: a DataLoader worker alive this long dumps its stacks, exits
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -194,6 +197,15 @@ class NoisySamples(Dataset):
         return self.x[index] + self.noise * torch.randn(self.x.shape[1:]), self.y[index]
 
 
+def report_if_stuck(seconds: float, worker_id: int) -> None:
+    """A ``worker_init_fn`` for short runs (the tests, the lesson's table): a DataLoader worker
+    still alive after ``seconds`` prints every thread's stack to stderr and exits, so the rank
+    fails at once ("DataLoader worker ... exited unexpectedly") with the place it was stuck,
+    instead of waiting for the process group's timeout. Off by default: in a long run a
+    non-persistent worker lives for a whole epoch."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
 def build_data(config: Config, rank: int, world_size: int, device: torch.device):
     """Chapter 07's data (identical on every rank), noisy training samples, and a loader with a
     generator of its own (seeded per rank) and non-persistent workers."""
@@ -209,6 +221,8 @@ def build_data(config: Config, rank: int, world_size: int, device: torch.device)
     loader = DataLoader(train_set, batch_size=config.batch_size, sampler=sampler,
                         num_workers=config.workers, generator=generator,
                         persistent_workers=config.persistent_workers and config.workers > 0,
+                        worker_init_fn=(functools.partial(report_if_stuck, config.stuck_worker_s)
+                                        if config.stuck_worker_s > 0 else None),
                         pin_memory=device.type == "cuda")
     return loader, sampler, eval_set, generator
 
