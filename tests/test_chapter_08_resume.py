@@ -99,8 +99,9 @@ def test_the_table_check_catches_wrong_rows(table):
 
 # --------------------------------------------------------------------- train.py, mid-epoch
 
+# 7 batches per epoch: accumulation windows 3, 3, 1
 MID_EPOCH = dict(train_samples=224, eval_samples=61, batch_size=16, hidden=32, epochs=2,
-                 workers=1, accumulation_steps=3, progress=False, stuck_worker_s=60.0)  # 7 batches: windows 3, 3, 1
+                 workers=1, accumulation_steps=3, progress=False, stuck_worker_s=60.0)
 
 
 def resume_in_the_middle_of_an_epoch(rank: int, world_size: int) -> dict:
