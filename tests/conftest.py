@@ -6,6 +6,7 @@ Every test of a chapter's lesson, scripts, exercises or grading is marked with i
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -13,6 +14,14 @@ from course_layout import CHAPTER_NUMBERS, chapter_of
 
 from ddpcourse.launcher import prestart, rank_server_pids
 from ddpcourse.launcher.processes import live_descendants
+
+
+def pytest_xdist_auto_num_workers(config):
+    """What ``-n auto`` (pyproject's addopts) means for the repository's tests: two test
+    processes. Most tests wait on ranks, kernels and launchers, so two overlap well even on 2
+    cores; more would start more rank servers than a small machine holds.
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides where it is set."""
+    return int(os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "2"))
 
 
 def pytest_configure(config):
