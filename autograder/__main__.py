@@ -1,4 +1,4 @@
-"""Command line: ``python -m autograder {release,grade}`` (run from the repository root)."""
+"""Command line: ``python -m autograder {release,grade,merge}`` (run from the repository root)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 from autograder import sandbox
+from autograder.merge import Shard
 from autograder.sources import assignments
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autograder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("release", help="generate exercises/ from solutions/ with nbgrader")
@@ -24,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="where grades.csv, feedback/ and work/ go (default autograder/course)")
     grade.add_argument("--jobs", type=int, default=None,
                        help="submissions graded at once (default: number of CPU cores)")
+    grade.add_argument("--shard", type=Shard.parse, default=Shard(), metavar="I/N",
+                       help="grade only shard I of N: every N-th student of the sorted student "
+                            "ids, from the I-th (default 1/1, the whole class); join the shards' "
+                            "outputs with `merge`")
     grade.add_argument("--cell-timeout", type=int, default=None,
                        help="seconds per notebook cell (default: nbgrader_config.py's)")
     grade.add_argument("--student-timeout", type=int, default=1800,
@@ -33,7 +38,17 @@ def main(argv: list[str] | None = None) -> int:
                             "'require' (default) refuses to grade where it cannot; 'warn' grades "
                             "unsandboxed and says so in every feedback page and CSV row; 'off' "
                             "grades unsandboxed (trusted submissions only)")
-    opts = parser.parse_args(argv)
+    merge = sub.add_parser("merge", help="merge the outputs of grading runs (e.g. the shards of "
+                                         "one class) into what one run of them all gives")
+    merge.add_argument("outputs", type=Path, nargs="+", metavar="OUT_I",
+                       help="the --out folders of the runs to merge")
+    merge.add_argument("--out", type=Path, required=True,
+                       help="where the merged grades.csv, feedback/ and summary.json go")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
 
     if opts.command == "release":
         from autograder.release import release_all
@@ -41,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in release_all():
             print(f"released {path}")
         return 0
+    if opts.command == "merge":
+        return merge(opts.outputs, opts.out)
     from autograder.grade import grade_class, print_summary
     from autograder.worker import SANDBOX_POLICY
 
@@ -52,8 +69,25 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[SANDBOX_POLICY] = opts.sandbox  # the workers inherit it
 
     results = grade_class(opts.submissions, opts.assignment, opts.out, jobs=opts.jobs,
-                          cell_timeout=opts.cell_timeout, student_timeout=opts.student_timeout)
+                          cell_timeout=opts.cell_timeout, student_timeout=opts.student_timeout,
+                          shard=opts.shard)
     print_summary(results, opts.out)
+    return 0
+
+
+def merge(outputs: list[Path], out: Path) -> int:
+    from autograder.grade import print_results
+    from autograder.merge import MergeError, merge_outputs
+
+    try:
+        summary = merge_outputs(outputs, out)
+    except MergeError as refused:
+        print(f"Refusing to merge: {refused}", file=sys.stderr)
+        return 2
+    print_results(summary["results"])
+    parts = ", ".join(f"{part['path']} ({part['submissions']})" for part in summary["merged_from"])
+    print(f"{summary['submissions']} submissions of {summary['assignment']} merged from {parts}; "
+          f"grades: {out / 'grades.csv'}; feedback: {out / 'feedback'}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Grade a class: one isolated worker per submission, several at once, one CSV at the end.
 
     python -m autograder grade SUBMISSIONS --assignment 05_allreduce [--out autograder/course]
+                               [--shard I/N]
 
 ``SUBMISSIONS`` is nbgrader's ``submitted/`` layout: ``SUBMISSIONS/{student}/{assignment}/*.ipynb``.
 Each student is graded by ``autograder/worker.py`` in its own process session, course directory
@@ -9,7 +10,8 @@ through private FileStores: no ports). A worker that passes ``--student-timeout`
 everything it started; this process is a child subreaper, so even processes a kernel leaves behind
 come back to it and are killed. Results: ``OUT/grades.csv`` (nbgrader export's columns, then
 ``status``, ``flags``, ``notes`` and one column per test cell), ``OUT/feedback/{student}/
-{assignment}/*.html``, and a summary table on stdout.
+{assignment}/*.html``, and a summary table on stdout. ``--shard I/N`` grades one shard of the
+class; ``python -m autograder merge`` joins the shards' outputs (``autograder/merge.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from autograder.merge import DEFAULT_EXPORT_COLUMNS, Shard
 from autograder.nbgrader_api import REPO
 from autograder.notices import write_notice
 from ddpcourse.launcher.processes import kill_process_group, live_descendants, process_table
@@ -196,11 +199,13 @@ class _Worker:
 
 
 def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None = None,
-                cell_timeout: int | None = None, student_timeout: float = 1800) -> list[dict]:
+                cell_timeout: int | None = None, student_timeout: float = 1800,
+                shard: Shard = Shard()) -> list[dict]:
     _become_subreaper()
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    pending = list(find_submissions(submissions.resolve(), assignment).items())
+    found = find_submissions(submissions.resolve(), assignment)
+    pending = [(student, found[student]) for student in shard.select(found)]
     jobs = jobs or os.cpu_count() or 1
     running: list[_Worker] = []
     results: list[dict] = []
@@ -228,7 +233,7 @@ def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None 
     _write_csv(results, assignment, out)
     (out / "summary.json").write_text(json.dumps(
         {"submissions": len(results), "jobs": jobs, "seconds": round(elapsed, 1),
-         "results": results}, indent=2))
+         "results": results, "assignment": assignment, "shard": shard.record(found)}, indent=2))
     return results
 
 
@@ -293,7 +298,7 @@ def _write_csv(results: list[dict], assignment: str, out: Path) -> None:
             score = result["cells"].get(name)
             row[name] = "" if score is None else f"{score[0]:g}"
         rows.append(row)
-    base = header or ["assignment", "student_id", "raw_score", "score", "max_score"]
+    base = header or DEFAULT_EXPORT_COLUMNS
     fields = list(base) + ["status", "flags", "notes"] + cell_names
     with open(out / "grades.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -301,12 +306,20 @@ def _write_csv(results: list[dict], assignment: str, out: Path) -> None:
         writer.writerows(rows)
 
 
-def print_summary(results: list[dict], out: Path) -> None:
-    summary = json.loads((out / "summary.json").read_text())
+def print_results(results: list[dict]) -> None:
     print(f"{'student':<16} {'score':>7} {'max':>5} {'secs':>6}  status")
     for r in results:
         max_score = "" if r["max_score"] is None else f"{r['max_score']:g}"
         print(f"{r['student']:<16} {r['score']:>7g} {max_score:>5} {r['seconds']:>6}  {r['status']}")
+
+
+def print_summary(results: list[dict], out: Path) -> None:
+    summary = json.loads((out / "summary.json").read_text())
+    print_results(results)
+    shard = summary["shard"]
+    if shard["count"] > 1:
+        print(f"shard {shard['index']}/{shard['count']}: {len(results)} of the class's "
+              f"{len(shard['class'])} students")
     print(f"{summary['submissions']} submissions in {summary['seconds']} s with "
           f"{summary['jobs']} at a time; grades: {out / 'grades.csv'}; feedback: "
           f"{out / 'feedback'}")
