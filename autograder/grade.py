@@ -310,7 +310,8 @@ def print_results(results: list[dict]) -> None:
     print(f"{'student':<16} {'score':>7} {'max':>5} {'secs':>6}  status")
     for r in results:
         max_score = "" if r["max_score"] is None else f"{r['max_score']:g}"
-        print(f"{r['student']:<16} {r['score']:>7g} {max_score:>5} {r['seconds']:>6}  {r['status']}")
+        print(f"{r['student']:<16} {r['score']:>7g} {max_score:>5} {r['seconds']:>6}  "
+              f"{r['status']}")
 
 
 def print_summary(results: list[dict], out: Path) -> None:

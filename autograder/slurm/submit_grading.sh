@@ -48,8 +48,8 @@ for (( i = 1; i <= shards; i++ )); do
     outputs+=" $(printf %q "$out/shard-$i-of-$shards")"
 done
 # shellcheck disable=SC2086
-merge=$(sbatch --parsable ${GRADING_SBATCH_OPTIONS:-} --dependency="afterok:$array" --kill-on-invalid-dep=yes \
-    --job-name=grade-merge --cpus-per-task=1 --mem=2G --time=30 \
+merge=$(sbatch --parsable ${GRADING_SBATCH_OPTIONS:-} --dependency="afterok:$array" \
+    --kill-on-invalid-dep=yes --job-name=grade-merge --cpus-per-task=1 --mem=2G --time=30 \
     --output="grade-merge-%j.log" \
     --wrap "${PYTHON:-python} -m autograder merge$outputs --out $(printf %q "$out")")
 echo "submitted: grading array $array ($shards tasks), merge ${merge%%;*} after it"
