@@ -1,0 +1,661 @@
+"""Chapter 09, collectives that hang: visible checks for the five functions of exercise
+collectives_that_hang, and the cases the hidden checks reuse.
+
+The contracts are the docstrings of ``train_and_log``, ``fit_and_evaluate``, ``train_on_shard``,
+``train_skipping_bad_batches`` and ``gather_predictions`` in
+solutions/09_debugging/collectives_that_hang.nb.py (students:
+exercises/09_debugging/collectives_that_hang.ipynb). Each runs on every rank of a gloo group.
+
+Every lab is one :class:`~ddpcourse.grading.checks.Case`. In the ranks, ``observe`` builds the
+rank's model and data from the situation, calls the student's function and returns only data
+(what it returned or logged, the model's state afterwards). The judge, which never runs the
+student's code, simulates the ranks in one process (each rank's own batch, gradients averaged
+as DDP averages them, rank 0's buffers broadcast before a forward as DDP does) and compares:
+the values asked for exactly (steps, logged values, gathered rows) or within ``ATOL + RTOL *
+|x|`` (float results of training: the ranks add in another order than one process), and
+bit-identical parameters on every rank. Every launch has a deadline of ``HANG_DEADLINE_S``
+seconds (a right solution needs well under one): a hang fails with every rank's stack and a hint
+at the mismatched collective; a gloo abort fails with the lab's explanation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import IterableDataset
+
+from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, cut_text,
+                                      judge_each_rank, observed, run_student, safe_text,
+                                      type_name)
+
+TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
+HANG_DEADLINE_S = min(CHECK_TIMEOUT_S, 8.0)  # a hang fails fast; start-up of warm ranks is ~0.1 s
+ATOL, RTOL = 1e-5, 1e-5
+IN_FEATURES, HIDDEN = 4, 8
+MAX_ITEMS = 256  # of a returned list or a logged sequence
+MAX_ROWS = 4096  # of a returned tensor
+MAX_TEXT = 300
+
+ABORT_HINT = ("gloo aborts a process (SIGABRT, no Python exception) when a collective receives "
+              "more bytes than the tensor it was given: 'Received data size doesn't match "
+              "expected size. Is there a distributed collective mismatch in your code?'")
+
+
+def _text(value: Any) -> str:
+    return cut_text(value, MAX_TEXT)
+
+
+def _run(case: Case, world_size: int, fn, situations, hint: str, timeout: float | None,
+         hide_internals: bool) -> None:
+    """``run_student`` with the lab's hint added to a hang or an abort; ``timeout`` None:
+    ``HANG_DEADLINE_S``."""
+    __tracebackhide__ = True  # noqa: F841
+    timeout = HANG_DEADLINE_S if timeout is None else timeout
+    try:
+        run_student(case, world_size, fn, situations, timeout=timeout,
+                    hide_internals=hide_internals)
+    except CheckFailed as failed:
+        text = str(failed)
+        if "did not finish within" in text:
+            raise CheckFailed(f"{text}\nHint: {hint}") from None
+        if "SIGABRT" in text:
+            raise CheckFailed(f"{text}\n{ABORT_HINT}. Hint: {hint}") from None
+        raise
+
+
+# --- models and data: built the same way in the ranks, the judge and the notebook ---------------
+
+
+def make_linear(seed: int) -> nn.Linear:
+    """The regression model of labs 1, 3 and 4 (every rank's starts different)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(IN_FEATURES, 1)
+
+
+def make_bn_model(seed: int) -> nn.Sequential:
+    """The model of lab 2: BatchNorm has buffers (running statistics), which DDP broadcasts."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Tanh(),
+                             nn.Linear(HIDDEN, 1))
+
+
+def model_seed(seed: int, rank: int) -> int:
+    return 1000 * seed + 17 * rank + 1
+
+
+def make_batch(seed: int, rank: int, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch of step ``step``: ``x`` rows and a target ``y`` to regress."""
+    generator = torch.Generator().manual_seed(100_003 * seed + 7919 * rank + 31 * step + 11)
+    x = torch.randn(rows, IN_FEATURES, generator=generator)
+    return x, (x.sum(dim=1, keepdim=True) + 0.5).sin()
+
+
+def make_batches(seed: int, rank: int, steps: int, rows: int) -> list:
+    return [make_batch(seed, rank, step, rows) for step in range(1, steps + 1)]
+
+
+class Shard(IterableDataset):
+    """One rank's shard of a stream: ``length`` samples ``(x, y)``, one at a time; like a real
+    stream, it does not know its length (no ``__len__``)."""
+
+    def __init__(self, seed: int, rank: int, length: int):
+        super().__init__()
+        self.seed, self.rank, self.length = seed, rank, length
+
+    def __iter__(self):
+        x, y = make_batch(self.seed, self.rank, 0, self.length)
+        for i in range(self.length):
+            yield x[i], y[i]
+
+
+def shard_batches(seed: int, rank: int, length: int, batch_size: int) -> list:
+    """The batches ``DataLoader(Shard(...), batch_size)`` yields (the last one may be smaller)."""
+    x, y = make_batch(seed, rank, 0, length)
+    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, length, batch_size)]
+
+
+def bad_batch(seed: int, rank: int, step: int, rows: int, kind: str) -> tuple:
+    """Lab 4's batch that must be skipped: a NaN in its first row, or no rows at all."""
+    x, y = make_batch(seed, rank, step, rows)
+    if kind == "empty":
+        return x[:0], y[:0]
+    x = x.clone()
+    x[0, 0] = float("nan")
+    return x, y
+
+
+def lab4_batches(seed: int, rank: int, steps: int, rows: int, bad: list) -> list:
+    """Lab 4's batches of one rank; ``bad`` lists ``[rank, step, kind]``."""
+    kinds = {(r, s): kind for r, s, kind in bad}
+    return [bad_batch(seed, rank, step, rows, kinds[rank, step]) if (rank, step) in kinds
+            else make_batch(seed, rank, step, rows) for step in range(1, steps + 1)]
+
+
+def predictions(seed: int, rank: int, rows: int, kind: str) -> torch.Tensor:
+    """Lab 5: a rank's predictions: class indices (``labels``, int64) or scores (float32)."""
+    generator = torch.Generator().manual_seed(7919 * seed + 101 * rank + 3)
+    if kind == "labels":
+        return torch.randint(0, 10, (rows,), generator=generator)
+    return torch.randn(rows, 3, generator=generator)
+
+
+# --- observed in the ranks: data only ------------------------------------------------------------
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu").clone() for name, t in module.state_dict().items()}
+
+
+def _floats(values: Any) -> list[float] | None:
+    if not isinstance(values, (list, tuple)):
+        return None
+    out = []
+    for value in values[:MAX_ITEMS]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        out.append(float(value))
+    return out
+
+
+def _ints(values: Any) -> list[int] | None:
+    if not isinstance(values, (list, tuple)):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values[:MAX_ITEMS]):
+        return None
+    return [int(v) for v in values[:MAX_ITEMS]]
+
+
+def _returned(result: Any) -> dict:
+    return {"returned": type_name(result),
+            "returned_length": len(result) if isinstance(result, (list, tuple)) else -1,
+            "returned_text": safe_text(lambda: repr(result), 120)}
+
+
+def observe_log(rank, world_size, fn, situations) -> dict:
+    """Lab 1: ``train_and_log(model, batches, lr, log_every, log)``; records every log call."""
+    calls = []
+    for rows, steps, lr, log_every, seed in situations:
+        model = make_linear(model_seed(seed, rank))
+        logged: list = []
+
+        def log(step, value, logged=logged):
+            if len(logged) < MAX_ITEMS:
+                logged.append([step if isinstance(step, int) else type_name(step),
+                               float(value) if isinstance(value, (int, float)) else
+                               type_name(value)])
+
+        fn(model, make_batches(seed, rank, steps, rows), lr, log_every, log)
+        calls.append({"logged": logged, "state": _state(model)})
+    return {"calls": calls}
+
+
+def observe_evaluate(rank, world_size, fn, situations) -> dict:
+    """Lab 2: ``fit_and_evaluate(model, batches, eval_batch, epochs, lr)``."""
+    calls = []
+    for rows, steps, epochs, lr, seed in situations:
+        model = make_bn_model(model_seed(seed, rank))
+        result = fn(model, make_batches(seed, rank, steps, rows),
+                    make_batch(seed, 99, 0, 2 * rows), epochs, lr)
+        calls.append({"history": _floats(result), **_returned(result), "state": _state(model),
+                      "training": model.training})
+    return {"calls": calls}
+
+
+def observe_shard(rank, world_size, fn, situations) -> dict:
+    """Lab 3: ``train_on_shard(model, shard, batch_size, lr)``; ``situations`` hold every rank's
+    shard length."""
+    calls = []
+    for lengths, batch_size, lr, seed in situations:
+        model = make_linear(model_seed(seed, rank))
+        result = fn(model, Shard(seed, rank, lengths[rank]), batch_size, lr)
+        calls.append({"steps": result if isinstance(result, int) and not isinstance(result, bool)
+                      else None, **_returned(result), "state": _state(model)})
+    return {"calls": calls}
+
+
+def observe_skip(rank, world_size, fn, situations) -> dict:
+    """Lab 4: ``train_skipping_bad_batches(model, batches, lr, stop_below)``."""
+    calls = []
+    for rows, steps, lr, stop_below, bad, seed in situations:
+        model = make_linear(model_seed(seed, rank))
+        result = fn(model, lab4_batches(seed, rank, steps, rows, bad), lr, stop_below)
+        calls.append({"applied": _ints(result), **_returned(result), "state": _state(model)})
+    return {"calls": calls}
+
+
+def observe_gather(rank, world_size, fn, situations) -> dict:
+    """Lab 5: ``gather_predictions(local)``."""
+    calls = []
+    for rows, kind, seed in situations:
+        result = fn(predictions(seed, rank, rows[rank], kind))
+        ok = (isinstance(result, torch.Tensor) and result.layout == torch.strided
+              and result.dim() >= 1 and result.shape[0] <= MAX_ROWS)
+        calls.append({"gathered": result.detach().to("cpu").clone() if ok else None,
+                      **_returned(result),
+                      "shape": list(result.shape) if isinstance(result, torch.Tensor) else None})
+    return {"calls": calls}
+
+
+# --- the judge: simulated ranks, no student code ------------------------------------------------
+
+
+def _ddp_step(modules: list, batches: list, lr: float, sync_buffers: bool = False) -> list:
+    """One DDP step of every simulated rank: rank 0's buffers first (DDP's pre-forward
+    broadcast), each rank's forward and backward on its own batch, gradients averaged, plain
+    SGD. Returns each rank's loss (before the step)."""
+    with torch.no_grad():
+        if sync_buffers:
+            for module in modules[1:]:
+                for mine, rank0s in zip(module.buffers(), modules[0].buffers()):
+                    mine.copy_(rank0s)
+    losses = []
+    for module, (x, y) in zip(modules, batches):
+        module.zero_grad()
+        loss = F.mse_loss(module(x), y)
+        loss.backward()
+        losses.append(loss.item())
+    with torch.no_grad():
+        for params in zip(*(list(m.parameters()) for m in modules)):
+            mean = torch.stack([p.grad for p in params]).mean(0)
+            for p in params:
+                p.add_(mean, alpha=-lr)
+    return losses
+
+
+def _replicas(make, world_size: int, seed: int) -> list:
+    """Every simulated rank's module, all with rank 0's initial parameters (DDP's constructor
+    broadcasts them, buffers included)."""
+    rank0 = make(model_seed(seed, 0)).state_dict()
+    modules = []
+    for _ in range(world_size):
+        module = make(0)
+        module.load_state_dict(rank0)
+        modules.append(module)
+    return modules
+
+
+def _one_thread(fn):
+    def wrapped(*args, **kwargs):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.enable_grad():
+                return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return wrapped
+
+
+@_one_thread
+def expected_log(world_size, situation) -> tuple[list, dict]:
+    """Lab 1: rank 0's log ``[[step, global mean loss], ...]`` and the final state."""
+    rows, steps, lr, log_every, seed = situation
+    modules = _replicas(make_linear, world_size, seed)
+    batches = [make_batches(seed, rank, steps, rows) for rank in range(world_size)]
+    logged = []
+    for step in range(1, steps + 1):
+        losses = _ddp_step(modules, [b[step - 1] for b in batches], lr)
+        if step % log_every == 0:
+            logged.append([step, sum(losses) / world_size])
+    return logged, _state(modules[0])
+
+
+@_one_thread
+def expected_evaluate(world_size, situation) -> tuple[list, list]:
+    """Lab 2: rank 0's validation losses (eval mode, rank 0's running statistics) after each
+    epoch, and every rank's final state. Only rank 0's buffers are judged: the others' last
+    forward updated their own running statistics after DDP's last broadcast, unless an
+    evaluation through the wrapper on every rank broadcast rank 0's once more."""
+    rows, steps, epochs, lr, seed = situation
+    modules = _replicas(make_bn_model, world_size, seed)
+    batches = [make_batches(seed, rank, steps, rows) for rank in range(world_size)]
+    x_eval, y_eval = make_batch(seed, 99, 0, 2 * rows)
+    history = []
+    for _ in range(epochs):
+        for step in range(steps):
+            _ddp_step(modules, [b[step] for b in batches], lr, sync_buffers=True)
+        modules[0].eval()
+        with torch.no_grad():
+            history.append(F.mse_loss(modules[0](x_eval), y_eval).item())
+        modules[0].train()
+    return history, [_state(m) for m in modules]
+
+
+@_one_thread
+def expected_shard(world_size, situation) -> tuple[int, dict]:
+    """Lab 3: the steps every rank can take (the fewest batches of any shard) and the state."""
+    lengths, batch_size, lr, seed = situation
+    batches = [shard_batches(seed, rank, lengths[rank], batch_size) for rank in range(world_size)]
+    steps = min(len(b) for b in batches)
+    modules = _replicas(make_linear, world_size, seed)
+    for step in range(steps):
+        _ddp_step(modules, [b[step] for b in batches], lr)
+    return steps, _state(modules[0])
+
+
+def _lab4_losses(modules, batches) -> list[float]:
+    with torch.no_grad():
+        return [F.mse_loss(m(x), y).item() for m, (x, y) in zip(modules, batches)]
+
+
+@_one_thread
+def expected_skip(world_size, situation) -> tuple[list, dict, float]:
+    """Lab 4: the steps applied, the state, and how close any step's global mean loss came to
+    ``stop_below`` (relative), so that a situation is never decided by rounding."""
+    rows, steps, lr, stop_below, bad, seed = situation
+    modules = _replicas(make_linear, world_size, seed)
+    batches = [lab4_batches(seed, rank, steps, rows, bad) for rank in range(world_size)]
+    applied, margin = [], math.inf
+    for step in range(1, steps + 1):
+        mine = [b[step - 1] for b in batches]
+        losses = _lab4_losses(modules, mine)
+        if not all(math.isfinite(v) for v in losses):
+            continue
+        _ddp_step(modules, mine, lr)
+        applied.append(step)
+        mean = sum(losses) / world_size
+        margin = min(margin, abs(mean - stop_below) / stop_below)
+        if mean < stop_below:
+            break
+    return applied, _state(modules[0]), margin
+
+
+def expected_gather(world_size, situation) -> torch.Tensor:
+    rows, kind, seed = situation
+    return torch.cat([predictions(seed, rank, rows[rank], kind) for rank in range(world_size)])
+
+
+def _read_state(call: dict, want: dict[str, torch.Tensor], what: str) -> dict:
+    state = observed(call, "state", dict)
+    if set(state) != set(want):
+        raise CheckFailed(f"{what}: the model's state holds {_text(sorted(map(str, state)))}, "
+                          f"expected {sorted(want)}")
+    for name, expected in want.items():
+        got = state[name]
+        if (not isinstance(got, torch.Tensor) or got.layout != torch.strided
+                or got.device.type != "cpu" or got.shape != expected.shape
+                or got.dtype != expected.dtype):
+            raise CheckFailed(f"{what}: the model's {name!r} is not a {expected.dtype} tensor of "
+                              f"shape {tuple(expected.shape)}")
+    return state
+
+
+def _judge_state(state: dict, want: dict, what: str, hint: str, names=None) -> None:
+    for name in names if names is not None else want:
+        if not torch.allclose(state[name], want[name], rtol=RTOL, atol=ATOL):
+            diff = (state[name].double() - want[name].double()).abs().max().item()
+            raise CheckFailed(f"{what}: the model's {name!r} is not what the ranks' training "
+                              f"gives (largest difference {diff:.3g}, allowed {ATOL:g} + "
+                              f"{RTOL:g} * |w|). {hint}")
+
+
+def _judge_replicas(states: list, names, what: str) -> None:
+    for rank, state in enumerate(states):
+        for name in names:
+            if not torch.equal(state[name], states[0][name]):
+                diff = (state[name].double() - states[0][name].double()).abs().max().item()
+                raise CheckFailed(f"{what}: the parameter {name!r} differs between rank 0 and "
+                                  f"rank {rank} (max difference {diff:.3g}); DDP replicas take "
+                                  "identical steps, bit for bit")
+
+
+def _judge_calls(observations, world_size, situations, judge_one) -> None:
+    reports = []
+
+    def read(rank, observation):
+        calls = observed(observation, "calls", list)
+        if len(calls) != len(situations):
+            raise CheckFailed(f"the rank's report has {len(calls)} calls instead of "
+                              f"{len(situations)} (did the code replace the check's own "
+                              "functions?)")
+        for call in calls:
+            if not isinstance(call, dict):
+                raise CheckFailed(f"the rank's report of a call is a {type_name(call)}")
+        reports.append(calls)
+
+    judge_each_rank(observations, read)
+    for number, situation in enumerate(situations):
+        judge_one([report[number] for report in reports], world_size, situation)
+
+
+def _ranks(world_size: int) -> str:
+    return f"{world_size} rank{'s' if world_size > 1 else ''}"
+
+
+def _parameter_names(state: dict, module_maker) -> list[str]:
+    return [name for name, _ in module_maker(0).named_parameters() if name in state]
+
+
+def judge_log(observations, world_size, situations) -> None:
+    def judge_one(calls, world_size, situation):
+        rows, steps, lr, log_every, seed = situation
+        what = (f"{_ranks(world_size)}, {steps} steps of {rows} rows, logging every "
+                f"{log_every}")
+        logged, want = expected_log(world_size, situation)
+        states = []
+
+        def judge_rank(rank, call):
+            state = _read_state(call, want, what)
+            states.append(state)
+            got = observed(call, "logged", list)
+            if rank != 0:
+                if got:
+                    raise CheckFailed(f"{what}: only rank 0 logs; rank {rank} called log "
+                                      f"{len(got)} times: {_text(got)}")
+            else:
+                _judge_logged(got, logged, what)
+            _judge_state(state, want, what, "Every rank must take every step.")
+
+        judge_each_rank(calls, judge_rank)
+        _judge_replicas(states, _parameter_names(want, make_linear), what)
+
+    _judge_calls(observations, world_size, situations, judge_one)
+
+
+def _judge_logged(got: list, want: list, what: str) -> None:
+    steps = [s for s, _ in want]
+    if [entry[0] if isinstance(entry, list) and entry else None for entry in got] != steps:
+        raise CheckFailed(f"{what}: rank 0 logged the steps "
+                          f"{_text([e[0] if isinstance(e, list) and e else e for e in got])}, "
+                          f"expected {steps}")
+    for (step, value), entry in zip(want, got):
+        if len(entry) != 2 or not isinstance(entry[1], float):
+            raise CheckFailed(f"{what}: at step {step} rank 0 logged {_text(entry[1:])}, not a "
+                              "Python float")
+        if not math.isclose(entry[1], value, rel_tol=RTOL, abs_tol=ATOL):
+            raise CheckFailed(f"{what}: at step {step} rank 0 logged {entry[1]:.6g}; the mean "
+                              f"of every rank's loss is {value:.6g}")
+
+
+def judge_evaluate(observations, world_size, situations) -> None:
+    def judge_one(calls, world_size, situation):
+        rows, steps, epochs, lr, seed = situation
+        what = f"{_ranks(world_size)}, {epochs} epochs of {steps} steps of {rows} rows"
+        history, wants = expected_evaluate(world_size, situation)
+        params = _parameter_names(wants[0], make_bn_model)
+        buffers = [name for name in wants[0] if name not in params]
+        states = []
+
+        def judge_rank(rank, call):
+            state = _read_state(call, wants[rank], what)
+            states.append(state)
+            got, length = observed(call, "history", (list, type(None))), observed(
+                call, "returned_length", int)
+            text = observed(call, "returned_text", str)
+            if rank != 0 and (got != [] or length != 0):
+                raise CheckFailed(f"{what}: rank {rank} must return an empty list (only rank 0 "
+                                  f"evaluates); it returned {_text(text)}")
+            if rank == 0:
+                if got is None or length != len(history) or not all(
+                        math.isfinite(v) for v in got):
+                    raise CheckFailed(f"{what}: rank 0 must return {len(history)} floats, one "
+                                      f"validation loss per epoch; it returned {_text(text)}")
+                for epoch, (value, expected) in enumerate(zip(got, history), start=1):
+                    if not math.isclose(value, expected, rel_tol=RTOL, abs_tol=ATOL):
+                        raise CheckFailed(
+                            f"{what}: after epoch {epoch} rank 0's validation loss is "
+                            f"{value:.6g}, expected {expected:.6g} (the model in eval mode: "
+                            "BatchNorm normalises with its running statistics, and an "
+                            "evaluation never updates them)")
+            if observed(call, "training", bool) is not True:
+                raise CheckFailed(f"{what}: the model handed in is left in eval mode; put it "
+                                  "back in train mode after evaluating")
+            _judge_state(state, wants[rank], what, "Training must be the ranks' DDP training, "
+                         "untouched by the evaluation.", params)
+            if rank == 0:  # the others' last buffers depend on where the evaluation ran
+                _judge_state(state, wants[0], what, "BatchNorm's running statistics on rank 0 "
+                             "are updated by its training forwards only: an evaluation in eval "
+                             "mode leaves them alone.", buffers)
+
+        judge_each_rank(calls, judge_rank)
+        _judge_replicas(states, params, what)
+
+    _judge_calls(observations, world_size, situations, judge_one)
+
+
+def judge_shard(observations, world_size, situations) -> None:
+    def judge_one(calls, world_size, situation):
+        lengths, batch_size, lr, seed = situation
+        what = (f"{_ranks(world_size)}, shards of {lengths} samples, batches of {batch_size}")
+        steps, want = expected_shard(world_size, situation)
+        states = []
+
+        def judge_rank(rank, call):
+            state = _read_state(call, want, what)
+            states.append(state)
+            got = observed(call, "steps", (int, type(None)))
+            if got != steps:
+                own = -(-lengths[rank] // batch_size)
+                hint = (" - the number of batches of this rank's own shard: the ranks must "
+                        "agree on one count" if got == own else "")
+                raise CheckFailed(f"{what}: rank {rank} returned "
+                                  f"{_text(observed(call, 'returned_text', str))} steps; every "
+                                  f"rank takes {steps} (the fewest batches of any shard){hint}")
+            _judge_state(state, want, what, f"Every rank takes the first {steps} batches of "
+                         "its shard, one DDP step each, and no other.")
+
+        judge_each_rank(calls, judge_rank)
+        _judge_replicas(states, _parameter_names(want, make_linear), what)
+
+    _judge_calls(observations, world_size, situations, judge_one)
+
+
+def judge_skip(observations, world_size, situations) -> None:
+    def judge_one(calls, world_size, situation):
+        rows, steps, lr, stop_below, bad, seed = situation
+        what = (f"{_ranks(world_size)}, {steps} steps, bad batches {[tuple(b) for b in bad]}, "
+                f"stop below {stop_below:g}")
+        applied, want, _ = expected_skip(world_size, situation)
+        states = []
+
+        def judge_rank(rank, call):
+            state = _read_state(call, want, what)
+            states.append(state)
+            got = observed(call, "applied", (list, type(None)))
+            if got != applied or observed(call, "returned_length", int) != len(applied):
+                raise CheckFailed(f"{what}: rank {rank} returned "
+                                  f"{_text(observed(call, 'returned_text', str))}; the steps "
+                                  f"every rank applies are {applied}")
+            _judge_state(state, want, what, "Skip a step on every rank when any rank's loss is "
+                         "not finite, stop on every rank after the first step whose mean loss "
+                         "over the ranks is below stop_below.")
+
+        judge_each_rank(calls, judge_rank)
+        _judge_replicas(states, _parameter_names(want, make_linear), what)
+
+    _judge_calls(observations, world_size, situations, judge_one)
+
+
+def judge_gather(observations, world_size, situations) -> None:
+    def judge_one(calls, world_size, situation):
+        rows, kind, seed = situation
+        what = f"{_ranks(world_size)} holding {rows} rows of {kind}"
+        want = expected_gather(world_size, situation)
+
+        def judge_rank(rank, call):
+            got = observed(call, "gathered", (torch.Tensor, type(None)))
+            if got is None:
+                raise CheckFailed(f"{what}: gather_predictions must return a tensor; it returned "
+                                  f"{_text(observed(call, 'returned_text', str))}")
+            if got.shape != want.shape or got.dtype != want.dtype:
+                raise CheckFailed(f"{what}: rank {rank} got a {got.dtype} tensor of shape "
+                                  f"{tuple(got.shape)}; expected {want.dtype}, "
+                                  f"{tuple(want.shape)}: every rank's rows, no padding")
+            if not torch.equal(got, want):
+                row = int((got != want).reshape(got.shape[0], -1).any(dim=1).nonzero()[0])
+                starts = [0]
+                for n in rows:
+                    starts.append(starts[-1] + n)
+                owner = max(r for r in range(world_size) if starts[r] <= row)
+                raise CheckFailed(f"{what}: row {row} (rank {owner}'s row {row - starts[owner]}) "
+                                  f"is {_text(got[row].tolist())}, expected "
+                                  f"{_text(want[row].tolist())}: every rank's rows, in rank "
+                                  "order, each exactly once")
+
+        judge_each_rank(calls, judge_rank)
+
+    _judge_calls(observations, world_size, situations, judge_one)
+
+
+LOG = Case(observe_log, judge_log)
+EVALUATE = Case(observe_evaluate, judge_evaluate)
+SHARD = Case(observe_shard, judge_shard)
+SKIP = Case(observe_skip, judge_skip)
+GATHER = Case(observe_gather, judge_gather)
+
+HINTS = {
+    "log": "a collective that only some ranks call waits for the others forever (or pairs with "
+           "whatever collective they call next); call the all_reduce on every rank, and only "
+           "the logging on rank 0",
+    "evaluate": "DDP's forward broadcasts the buffers (BatchNorm's running statistics) from rank "
+                "0 when the previous forward ran with gradients: a forward of the wrapper on "
+                "rank 0 alone waits in that broadcast. Evaluate on every rank, or on rank 0 "
+                "through model.module (no collective)",
+    "shard": "the rank with the longer shard waits in its backward's all-reduce for ranks that "
+             "have already run out of batches: agree on the number of steps (e.g. an all_reduce "
+             "with ReduceOp.MIN of 'I still have a batch' before each step)",
+    "skip": "a rank that skips a backward, or stops alone, leaves the others waiting in their "
+            "all-reduce; decide together: all_reduce a flag every rank computes, then every "
+            "rank acts on the same result",
+    "gather": "all_gather needs tensors of the same shape on every rank: gather the sizes "
+              "first, pad to the largest, gather, then cut each rank's padding off",
+}
+
+# Situations travel to the ranks as plain tuples.
+VISIBLE_LOG = [(4, 4, 0.1, 2, 0)]  # (rows, steps, lr, log_every, seed)
+VISIBLE_EVALUATE = [(6, 3, 2, 0.1, 0)]  # (rows, steps per epoch, epochs, lr, seed)
+VISIBLE_SHARD = [([10, 7], 3, 0.1, 0)]  # (shard lengths by rank, batch_size, lr, seed)
+VISIBLE_SKIP = [(4, 6, 0.1, 0.05, [[1, 2, "nan"]], 0),  # (rows, steps, lr, stop_below, bad, seed)
+                (4, 8, 0.3, 0.2, [], 1)]
+VISIBLE_GATHER = [([4, 3], "labels", 0), ([5, 1], "scores", 1)]  # (rows by rank, kind, seed)
+
+
+def check_train_and_log(fn, timeout: float = HANG_DEADLINE_S) -> None:
+    """2 ranks: rank 0 logs the global mean loss every few steps; the ranks stay in step."""
+    _run(LOG, 2, fn, VISIBLE_LOG, HINTS["log"], timeout, False)
+
+
+def check_fit_and_evaluate(fn, timeout: float = HANG_DEADLINE_S) -> None:
+    """2 ranks: rank 0 evaluates after every epoch, the last one included."""
+    _run(EVALUATE, 2, fn, VISIBLE_EVALUATE, HINTS["evaluate"], timeout, False)
+
+
+def check_train_on_shard(fn, timeout: float = HANG_DEADLINE_S) -> None:
+    """2 ranks, shards of 10 and 7 samples in batches of 3: 3 steps on every rank."""
+    _run(SHARD, 2, fn, VISIBLE_SHARD, HINTS["shard"], timeout, False)
+
+
+def check_train_skipping_bad_batches(fn, timeout: float = HANG_DEADLINE_S) -> None:
+    """2 ranks: a NaN batch on rank 1 at step 2; a run that stops early."""
+    _run(SKIP, 2, fn, VISIBLE_SKIP, HINTS["skip"], timeout, False)
+
+
+def check_gather_predictions(fn, timeout: float = HANG_DEADLINE_S) -> None:
+    """2 ranks holding 4 and 3 labels, then 5 and 1 rows of scores."""
+    _run(GATHER, 2, fn, VISIBLE_GATHER, HINTS["gather"], timeout, False)

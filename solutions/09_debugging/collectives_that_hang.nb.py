@@ -1,0 +1,559 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "intro", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# # Exercise 09: collectives that hang
+#
+# A collective (`all_reduce`, `broadcast`, `all_gather`, and the ones DDP makes for you) completes
+# only when **every** rank calls it, in the same order, with tensors of the same size. Each lab
+# below is a piece of a real training or evaluation job in which one rank calls a collective
+# that another does not, or calls it with another size. None of them raises a friendly error:
+# depending on what the other ranks do next, the job hangs, gloo kills a process, or the
+# collectives pair up with the wrong partners and the job goes on.
+#
+# Per lab: read the given function (locked), run it (the "Run it" cell launches it on 2 real
+# gloo ranks with a deadline of a few seconds, and shows what each rank was doing when it
+# failed), then write the fixed function below it: same name without `buggy_`, same arguments,
+# and the docstring is the contract.
+#
+# **How it is tested.** The tests call your function on every rank of a real gloo process group
+# (as `run_ranks(fn, world_size)` does: use the default group, never `init_process_group` here),
+# with a deadline of a few seconds. They require that every rank returns in time, the exact result
+# the docstring asks for (steps, logged values, gathered rows; trained weights within 1e-5 of the
+# ranks' DDP training, simulated where none of your code runs) and bit-identical parameters on all
+# ranks at the end.
+#
+# **Self-check** from the repository root: `pytest exercises/09_debugging/collectives_that_hang.ipynb`.
+# Hidden tests (3 and 4 ranks, other shard lengths, a bad batch on another rank or on two ranks at
+# once, an empty batch, no bad batch at all, a last batch of one row, equal sizes) run when the
+# notebook is graded. Keep the names and signatures exactly as given, and do not reassign library
+# functions (the tests check for it).
+
+# %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Setup - locked. Run it first, and keep it the FIRST code cell: the tests rely on it.
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from ddpcourse.grading import integrity, setup_notebook
+from ddpcourse.grading.exercises import collectives_that_hang as checks
+from ddpcourse.launcher import RankError, run_ranks
+
+setup_notebook("collectives_that_hang")
+
+
+def run_it(fn, world_size=2, timeout=3):
+    """Run ``fn(rank, world_size)`` on real gloo ranks; print what came back or what failed."""
+    try:
+        for rank, result in enumerate(run_ranks(fn, world_size, timeout=timeout,
+                                                backend="gloo", relay_output=False)):
+            print(f"rank {rank} returned {result}")
+    except RankError as failed:
+        print(failed)
+
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "lab-log", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Lab 1: the loss is averaged for the log on rank 0 only
+#
+# Only rank 0 writes the log, so its author put the whole logging block, all-reduce included,
+# under `if dist.get_rank() == 0`. Rank 0 now makes one collective more than the others, and
+# what happens depends on what the others call next:
+#
+# * **nothing** (the log step was the last step): rank 0 waits in `all_reduce` forever; the
+#   other ranks finish. Run (a) below: the deadline shows rank 0 blocked in `all_reduce`.
+# * **DDP's gradient all-reduce of their next step**: gloo pairs rank 0's one-float all-reduce
+#   with that all-reduce of the gradients (collectives are matched by their order, not by what
+#   they hold). The sizes differ, and gloo (torch 2.13) **aborts the process** with SIGABRT, exit
+#   code -6: `Received data size doesn't match expected size. Is there a distributed collective
+#   mismatch in your code?` (`gloo/transport/tcp/pair.cc`). No Python exception: no `try` can
+#   catch it. Run (b).
+# * a collective **of the same size**: nothing fails; both get a sum of unrelated numbers.
+#
+# The rule: every rank makes the same collectives in the same order; only what is done with the
+# result (printing, writing) may depend on the rank.
+
+# %% nbgrader={"grade": false, "grade_id": "given-log", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Locked: the given code. Do not fix it here; write `train_and_log` below.
+def buggy_train_and_log(model, batches, lr, log_every, log):
+    """Train `model` with DDP on this rank's batches; every `log_every` steps, rank 0 logs the
+    loss averaged over the ranks."""
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for step, (x, y) in enumerate(batches, start=1):
+        loss = F.mse_loss(ddp_model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if dist.get_rank() == 0 and step % log_every == 0:
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)  # add the other ranks' losses
+            log(step, mean_loss.item() / dist.get_world_size())
+
+
+# %%
+# Run it: 4 steps on 2 ranks, (a) logging every 4 steps, (b) every 2 steps.
+def demo_log(rank, world_size, train_and_log, log_every):
+    model = checks.make_linear(checks.model_seed(0, rank))
+    logged = []
+    train_and_log(model, checks.make_batches(0, rank, 4, 4), 0.1, log_every,
+                  lambda step, value: logged.append((step, round(value, 4))))
+    return logged
+
+
+print("(a) logging every 4 steps:")
+run_it(lambda rank, world_size: demo_log(rank, world_size, buggy_train_and_log, 4))
+print("\n(b) logging every 2 steps:")
+run_it(lambda rank, world_size: demo_log(rank, world_size, buggy_train_and_log, 2))
+
+
+# %% nbgrader={"grade": false, "grade_id": "train_and_log", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def train_and_log(model, batches, lr, log_every, log) -> None:
+    """Train `model` with DDP on this rank's batches; rank 0 logs the loss averaged over the ranks.
+
+    Called on every rank of the default process group (gloo, CPU), each with its own `model`
+    (an `nn.Module`, initialised differently on every rank) and its own `batches` (one `(x, y)`
+    per step, the same number on every rank).
+
+    * Step s (1, 2, ...): wrap `model` in DDP once (it is trained in place), then per batch
+      `loss = F.mse_loss(ddp_model(x), y)`, zero_grad, backward, and one step of plain
+      `torch.optim.SGD(..., lr=lr)`.
+    * After every step s that is a multiple of `log_every`, rank 0 calls `log(s, value)` once,
+      where `value` (a Python float) is the mean over the ranks of their step-s losses. The
+      other ranks never call `log`.
+    * Every rank returns (nothing) within the deadline, with bit-identical parameters.
+    """
+    ### BEGIN SOLUTION
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for step, (x, y) in enumerate(batches, start=1):
+        loss = F.mse_loss(ddp_model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % log_every == 0:
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)  # every rank joins; only rank 0 writes
+            if dist.get_rank() == 0:
+                log(step, mean_loss.item() / dist.get_world_size())
+    ### END SOLUTION
+
+
+# %%
+# Try yours: the same two runs.
+run_it(lambda rank, world_size: demo_log(rank, world_size, train_and_log, 4))
+run_it(lambda rank, world_size: demo_log(rank, world_size, train_and_log, 2))
+
+# %% nbgrader={"grade": true, "grade_id": "test-train-and-log", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Test (2 points): 2 ranks, 4 steps, logging every 2: rank 0 logs the mean loss over the ranks at steps 2 and 4; identical replicas.
+from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import collectives_that_hang as checks
+integrity.assert_untampered()
+checks.check_train_and_log(train_and_log)
+print("passed")
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "lab-evaluate", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Lab 2: rank 0 evaluates through the DDP wrapper
+#
+# After each epoch rank 0 alone computes a validation loss, in eval mode and under
+# `torch.no_grad()`, by calling the DDP wrapper. The model has a BatchNorm layer, and its
+# running statistics are **buffers**. With `broadcast_buffers=True` (the default) DDP's forward
+# broadcasts the buffers from rank 0 before running the module
+# (`DistributedDataParallel._pre_forward` → `_sync_buffers`, torch/nn/parallel/distributed.py),
+# whenever `require_forward_param_sync` is set: at the first forward and after every forward
+# that ran with gradients enabled (`_post_forward` sets it from `torch.is_grad_enabled()`). It
+# does not look at `train()` / `eval()` at all: eval mode does not stop the broadcast. A model
+# without buffers would make no collective in a `no_grad` forward, which is why this bug hides
+# in some models and not in others.
+#
+# So rank 0's first evaluation forward makes a broadcast the other ranks do not make. After the
+# first epochs it pairs with the broadcast of the others' next training forward (same buffers,
+# same sizes), and rank 0, whose `no_grad` forward cleared the flag, skips its own: the job goes
+# on, by luck. After the **last** epoch nobody joins: rank 0 waits in `_sync_buffers` forever.
+# Run it: the deadline shows rank 0's stack in DDP's `_pre_forward`.
+#
+# Two fixes: every rank evaluates (through the wrapper; everyone makes the broadcast), or rank 0
+# evaluates `ddp_model.module`, the plain module, which makes no collective (in eval mode, so
+# BatchNorm uses and keeps its running statistics, then back to train mode).
+
+# %% nbgrader={"grade": false, "grade_id": "given-evaluate", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Locked: the given code. Do not fix it here; write `fit_and_evaluate` below.
+def buggy_fit_and_evaluate(model, batches, eval_batch, epochs, lr):
+    """Train `model` with DDP for `epochs` epochs; after each, rank 0 records the validation
+    loss on `eval_batch`."""
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    history = []
+    for epoch in range(epochs):
+        for x, y in batches:
+            loss = F.mse_loss(ddp_model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if dist.get_rank() == 0:  # one rank is enough to evaluate
+            ddp_model.eval()
+            with torch.no_grad():
+                x, y = eval_batch
+                history.append(F.mse_loss(ddp_model(x), y).item())
+            ddp_model.train()
+    return history
+
+
+# %%
+# Run it: 2 ranks, 2 epochs of 3 steps.
+def demo_evaluate(rank, world_size, fit_and_evaluate):
+    model = checks.make_bn_model(checks.model_seed(0, rank))
+    history = fit_and_evaluate(model, checks.make_batches(0, rank, 3, 6),
+                               checks.make_batch(0, 99, 0, 12), 2, 0.1)
+    return [round(value, 4) for value in history]
+
+
+run_it(lambda rank, world_size: demo_evaluate(rank, world_size, buggy_fit_and_evaluate))
+
+
+# %% nbgrader={"grade": false, "grade_id": "fit_and_evaluate", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def fit_and_evaluate(model, batches, eval_batch, epochs, lr) -> list:
+    """Train `model` (it has BatchNorm) with DDP for `epochs` epochs; rank 0 returns the
+    validation loss after each epoch.
+
+    Called on every rank of the default process group (gloo, CPU), each with its own `model`
+    (initialised differently on every rank), its own `batches` (a list of `(x, y)`, the same
+    number on every rank) and the same `eval_batch = (x, y)`.
+
+    * Wrap `model` in DDP once, with the default arguments (it is trained in place). An epoch
+      is one step per batch, in order: `loss = F.mse_loss(ddp_model(x), y)`, zero_grad,
+      backward, one step of plain `torch.optim.SGD(..., lr=lr)`.
+    * After every epoch (the last one too), rank 0 computes `F.mse_loss(prediction, y)` on
+      `eval_batch` with the model in eval mode (BatchNorm uses its running statistics and does
+      not update them), without gradients, and appends it (a Python float) to its list. The
+      evaluation must not change the training: afterwards the model trains in train mode again.
+    * Rank 0 returns its list; every other rank returns `[]`. Every rank returns within the
+      deadline, with bit-identical parameters, and the model handed in left in train mode.
+    """
+    ### BEGIN SOLUTION
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    history = []
+    for epoch in range(epochs):
+        for x, y in batches:
+            loss = F.mse_loss(ddp_model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if dist.get_rank() == 0:
+            # The plain module: no buffer broadcast, no collective at all.
+            ddp_model.module.eval()
+            with torch.no_grad():
+                x, y = eval_batch
+                history.append(F.mse_loss(ddp_model.module(x), y).item())
+            ddp_model.module.train()
+    return history
+    ### END SOLUTION
+
+
+# %%
+# Try yours.
+run_it(lambda rank, world_size: demo_evaluate(rank, world_size, fit_and_evaluate))
+
+# %% nbgrader={"grade": true, "grade_id": "test-fit-and-evaluate", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Test (3 points): 2 ranks, 2 epochs: rank 0's validation loss after each epoch (eval mode), [] elsewhere; training untouched; identical replicas.
+from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import collectives_that_hang as checks
+integrity.assert_untampered()
+checks.check_fit_and_evaluate(fit_and_evaluate)
+print("passed")
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "lab-shard", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Lab 3: shards of different lengths
+#
+# The data is a stream (an `IterableDataset`) sharded by rank, and shards are rarely the same
+# length. Each rank loops until its own shard runs out. The rank with the shorter shard finishes;
+# the longer one starts one more step, and its `loss.backward()` waits in DDP's gradient
+# all-reduce for ranks that will never join. Run it: rank 1 (7 samples, 3 batches of 3) returns,
+# rank 0 (10 samples, 4 batches) is blocked in `backward` at the deadline.
+#
+# The stream does not know its length (`len(shard)` raises), so the ranks must agree as they go:
+# before each step, every rank says whether it still has a batch, and an `all_reduce` with
+# `ReduceOp.MIN` tells every rank whether **all** of them do. The steps then stop together at
+# the shortest shard; the longer shards' extra batches are dropped (as `DistributedSampler` with
+# `drop_last=True` drops samples so that every rank has as many).
+#
+# Why not `torch.distributed.algorithms.Join`? `with Join([ddp_model]):` also ends the hang:
+# a rank that ran out "shadows" the others' all-reduces with zeros, and the longer shards are
+# trained on to their end. But those extra steps average fewer real gradients, still divided by
+# the full world size (`divide_by_initial_world_size=True`), so the weights are not those of the
+# contract below, and the tests reject it: they ask for the dropped-batches training, which is
+# the same math as every earlier step. Use Join when every sample must be seen and you accept
+# those smaller last steps.
+
+# %% nbgrader={"grade": false, "grade_id": "given-shard", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Locked: the given code. Do not fix it here; write `train_on_shard` below.
+def buggy_train_on_shard(model, shard, batch_size, lr):
+    """Train `model` with DDP on this rank's shard of the stream; return the number of steps."""
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    steps = 0
+    for x, y in DataLoader(shard, batch_size=batch_size):
+        loss = F.mse_loss(ddp_model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        steps += 1
+    return steps
+
+
+# %%
+# Run it: shards of 10 and 7 samples, batches of 3.
+def demo_shard(rank, world_size, train_on_shard, lengths=(10, 7)):
+    model = checks.make_linear(checks.model_seed(0, rank))
+    return train_on_shard(model, checks.Shard(0, rank, lengths[rank]), 3, 0.1)
+
+
+run_it(lambda rank, world_size: demo_shard(rank, world_size, buggy_train_on_shard))
+
+
+# %% nbgrader={"grade": false, "grade_id": "train_on_shard", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def train_on_shard(model, shard, batch_size, lr) -> int:
+    """Train `model` with DDP on this rank's shard of a stream, as many steps as EVERY rank can
+    take; return that number of steps.
+
+    Called on every rank of the default process group (gloo, CPU), each with its own `model`
+    (initialised differently on every rank) and its own `shard`: an `IterableDataset` of
+    `(x, y)` samples whose length differs between ranks and is unknown in advance (no `len`).
+
+    * The batches are those of `DataLoader(shard, batch_size=batch_size)` in order (the last
+      may be smaller). Wrap `model` in DDP once (it is trained in place); one step per batch:
+      `loss = F.mse_loss(ddp_model(x), y)`, zero_grad, backward, one step of plain
+      `torch.optim.SGD(..., lr=lr)`.
+    * Every rank takes the same number of steps: the number of batches of the SHORTEST shard
+      (0 if a shard is empty). The other ranks' remaining batches are not trained on.
+    * Every rank returns that number (an int) within the deadline, with bit-identical parameters.
+    """
+    ### BEGIN SOLUTION
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    batches = iter(DataLoader(shard, batch_size=batch_size))
+    steps = 0
+    while True:
+        batch = next(batches, None)
+        # 1 while this rank has a batch; the minimum over the ranks: does every rank have one?
+        everyone_has_one = torch.tensor([0 if batch is None else 1])
+        dist.all_reduce(everyone_has_one, op=dist.ReduceOp.MIN)
+        if everyone_has_one.item() == 0:
+            return steps
+        x, y = batch
+        loss = F.mse_loss(ddp_model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        steps += 1
+    ### END SOLUTION
+
+
+# %%
+# Try yours.
+run_it(lambda rank, world_size: demo_shard(rank, world_size, train_on_shard))
+
+# %% nbgrader={"grade": true, "grade_id": "test-train-on-shard", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Test (3 points): 2 ranks, shards of 10 and 7 samples in batches of 3: 3 steps on every rank, the weights of those steps, identical replicas.
+from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import collectives_that_hang as checks
+integrity.assert_untampered()
+checks.check_train_on_shard(train_on_shard)
+print("passed")
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "lab-skip", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Lab 4: one rank skips a bad batch, or stops early, alone
+#
+# Two decisions in this loop are taken by each rank on its own numbers: skip a step whose loss
+# is not finite (a corrupt batch gives NaN, an empty one too: the mean of no values), and stop
+# once the loss is low enough. A rank that skips makes no backward, so no gradient all-reduce:
+# its next step's all-reduce pairs with the others' all-reduce of the skipped step (same sizes:
+# no error, but the averaged gradients mix two different steps), and at the end the others wait
+# for an all-reduce that never comes. Run it: rank 1 has a NaN at step 2; rank 0 is blocked in
+# `backward` at the deadline. A rank that stops alone because its own loss is low leaves the
+# others the same way.
+#
+# Decide together: every rank computes its own flag (my loss is not finite; my loss), one
+# `all_reduce` combines them, and every rank acts on the same combined value.
+
+# %% nbgrader={"grade": false, "grade_id": "given-skip", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Locked: the given code. Do not fix it here; write `train_skipping_bad_batches` below.
+def buggy_train_skipping_bad_batches(model, batches, lr, stop_below):
+    """Train `model` with DDP, skipping bad batches and stopping early; return the steps
+    applied."""
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    applied = []
+    for step, (x, y) in enumerate(batches, start=1):
+        loss = F.mse_loss(ddp_model(x), y)
+        if not torch.isfinite(loss):  # a corrupt batch: skip it
+            continue
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        applied.append(step)
+        if loss.item() < stop_below:  # good enough
+            break
+    return applied
+
+
+# %%
+# Run it: 2 ranks, 6 steps, rank 1's batch of step 2 holds a NaN.
+def demo_skip(rank, world_size, train_skipping_bad_batches):
+    model = checks.make_linear(checks.model_seed(0, rank))
+    batches = checks.lab4_batches(0, rank, 6, 4, [[1, 2, "nan"]])
+    return train_skipping_bad_batches(model, batches, 0.1, 0.05)
+
+
+run_it(lambda rank, world_size: demo_skip(rank, world_size, buggy_train_skipping_bad_batches))
+
+
+# %% nbgrader={"grade": false, "grade_id": "train_skipping_bad_batches", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def train_skipping_bad_batches(model, batches, lr, stop_below) -> list:
+    """Train `model` with DDP; skip a step on every rank when any rank's batch is bad, stop on
+    every rank once the loss over the ranks is low enough; return the steps applied.
+
+    Called on every rank of the default process group (gloo, CPU), each with its own `model`
+    (initialised differently on every rank) and its own `batches` (one `(x, y)` per step, the
+    same number on every rank; a batch may hold a NaN, or no rows).
+
+    * Wrap `model` in DDP once (it is trained in place). At step s (1, 2, ...) every rank
+      computes `loss = F.mse_loss(ddp_model(x), y)` on its batch.
+    * If ANY rank's loss is not finite, EVERY rank skips step s: no backward, no optimizer step.
+    * Otherwise every rank does zero_grad, backward and one step of plain
+      `torch.optim.SGD(..., lr=lr)`, and appends s to its list. Then, if the mean over the ranks
+      of their step-s losses is below `stop_below`, every rank stops: no further step.
+    * Every rank returns the same list of applied steps (ints, in order) within the deadline,
+      with bit-identical parameters.
+    """
+    ### BEGIN SOLUTION
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    world_size = dist.get_world_size()
+    applied = []
+    for step, (x, y) in enumerate(batches, start=1):
+        loss = F.mse_loss(ddp_model(x), y)
+        bad_ranks = torch.tensor([0 if torch.isfinite(loss) else 1])
+        dist.all_reduce(bad_ranks)  # how many ranks have a bad batch: the same everywhere
+        if bad_ranks.item() > 0:
+            continue
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        applied.append(step)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        if mean_loss.item() / world_size < stop_below:
+            break
+    return applied
+    ### END SOLUTION
+
+
+# %%
+# Try yours.
+run_it(lambda rank, world_size: demo_skip(rank, world_size, train_skipping_bad_batches))
+
+# %% nbgrader={"grade": true, "grade_id": "test-train-skipping-bad-batches", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Test (3 points): 2 ranks: a NaN in rank 1's batch of step 2, then a run that stops early; the same applied steps on every rank, their weights, identical replicas.
+from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import collectives_that_hang as checks
+integrity.assert_untampered()
+checks.check_train_skipping_bad_batches(train_skipping_bad_batches)
+print("passed")
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "lab-gather", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Lab 5: `all_gather` of a smaller last batch
+#
+# Evaluation sharded without padding gives the ranks different numbers of predictions (10
+# samples on 4 ranks: 3, 3, 2, 2), and the last batch of an epoch is often smaller. `all_gather`
+# needs the same shape on every rank. On gloo (torch 2.13) a mismatch is not a Python error
+# you can catch: the rank whose tensor is smaller receives more bytes than it has room for, and
+# gloo aborts that process (SIGABRT, exit code -6) with `Received data size doesn't match
+# expected size`. Run it. (Output tensors of another size than the input raise an ordinary
+# `RuntimeError` instead: `ProcessGroupGloo::allgather: invalid tensor size at index 0`.)
+#
+# The fix: gather the sizes first (one element per rank), pad every tensor to the largest, gather,
+# and cut each rank's padding off. (`dist.all_gather_object` does the same for any picklable
+# object, through pickling: fine for small results, slow for large tensors.)
+
+# %% nbgrader={"grade": false, "grade_id": "given-gather", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Locked: the given code. Do not fix it here; write `gather_predictions` below.
+def buggy_gather_predictions(local):
+    """Every rank's predictions, concatenated in rank order, on every rank."""
+    everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, local)
+    return torch.cat(everyone)
+
+
+# %%
+# Run it: rank 0 holds 4 predicted labels, rank 1 holds 3.
+def demo_gather(rank, world_size, gather_predictions):
+    return gather_predictions(checks.predictions(0, rank, [4, 3][rank], "labels")).tolist()
+
+
+run_it(lambda rank, world_size: demo_gather(rank, world_size, buggy_gather_predictions))
+
+
+# %% nbgrader={"grade": false, "grade_id": "gather_predictions", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def gather_predictions(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's predictions, concatenated in rank order, on every rank.
+
+    Called on every rank of the default process group (gloo, CPU). `local` is this rank's
+    tensor of predictions: any number of rows (dimension 0, possibly different on every rank,
+    at least 1), the other dimensions and the dtype (int64 labels or float32 scores) the same on
+    every rank.
+
+    Every rank returns `torch.cat([local of rank 0, local of rank 1, ...])`: a tensor of that
+    dtype holding every rank's rows exactly once, in rank order, without padding, within the
+    deadline.
+    """
+    ### BEGIN SOLUTION
+    world_size = dist.get_world_size()
+    size = torch.tensor([local.shape[0]])
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    largest = max(int(n) for n in sizes)
+    padded = local.new_zeros((largest, *local.shape[1:]))
+    padded[:local.shape[0]] = local
+    everyone = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(everyone, padded)
+    return torch.cat([rows[:int(n)] for rows, n in zip(everyone, sizes)])
+    ### END SOLUTION
+
+
+# %%
+# Try yours.
+run_it(lambda rank, world_size: demo_gather(rank, world_size, gather_predictions))
+
+# %% nbgrader={"grade": true, "grade_id": "test-gather-predictions", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Test (2 points): 2 ranks holding 4 and 3 labels, then 5 and 1 rows of scores: every rank gets every row, in rank order.
+from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import collectives_that_hang as checks
+integrity.assert_untampered()
+checks.check_gather_predictions(gather_predictions)
+print("passed")
+
+# %% nbgrader={"grade": true, "grade_id": "test-collectives-that-hang-hidden", "locked": true, "points": 4, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (4 points) 3 and 4 ranks for every lab: other shard lengths (one empty), bad batches on other ranks, two at once, an empty batch, none at all, a last batch of one row, equal sizes.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import collectives_that_hang as hidden
+hidden.check_collectives_that_hang(train_and_log, fit_and_evaluate, train_on_shard,
+                                   train_skipping_bad_batches, gather_predictions)
+print("passed")
+### END HIDDEN TESTS
