@@ -25,6 +25,7 @@ import sys
 
 WORKER = "worker"
 DEADLINE_S = 120.0
+CRASH_SEEN_WITH = "2.13.0"  # the CPU build this crash was seen with; other versions: reported only
 
 
 def worker() -> int:
@@ -71,13 +72,23 @@ def run_all() -> dict:
     return outcomes
 
 
+def crash_expected() -> bool:
+    import torch
+
+    return torch.__version__.split("+")[0] == CRASH_SEEN_WITH and not torch.cuda.is_available()
+
+
 def problems(outcomes: dict) -> list[str]:
+    """The claims: INFO ends normally with DDP's report; DETAIL crashes (on the CPU build of
+    torch 2.13; elsewhere what DETAIL does is printed, not judged)."""
     info, detail = outcomes["INFO"], outcomes["DETAIL"]
     found = []
     if info["returncode"] != 0 or info["ranks that finished"] != [0, 1]:
         found.append(f"under INFO the job should end normally: {info}")
     if not any("DDP Initialized with" in line for line in info["DDP's own log"]):
         found.append("under INFO DDP should log its construction data ('DDP Initialized with')")
+    if not crash_expected():
+        return found
     if detail["returncode"] == 0 or detail["ranks that finished"]:
         found.append(f"under DETAIL DDP's construction should crash: {detail}")
     elif "-11" not in detail["exit codes torchrun reports"]:
