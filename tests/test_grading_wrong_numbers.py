@@ -1,0 +1,269 @@
+"""The checks of exercise wrong_numbers (chapter 09: padded evaluation, a missing set_epoch,
+no_sync around the backward only and synced at the wrong micro-batch) pass the notebook's
+solutions in every situation, visible and hidden, with room to spare within their tolerances;
+catch the notebook's given functions the way its labs say, and the tempting wrong fixes; count
+the gradient all-reduces through the grader's broker too; and read the ranks' reports as
+untrusted data. The exercise: solutions/09_debugging/wrong_numbers.nb.py."""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+
+from autograder import trusted
+from autograder.hidden import wrong_numbers as hidden
+from autograder.relayed import RelayedRanks
+from autograder.sources import SOLUTIONS, solution_code
+from ddpcourse.grading.checks import CheckFailed, run_observation
+from ddpcourse.grading.exercises import wrong_numbers as checks
+from ddpcourse.launcher import pickle_by_value
+from trusted_path import altered, submitted
+
+pytestmark = pytest.mark.usefixtures("integrity_snapshot")
+# This module's functions travel to the ranks by value, as a notebook's do.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SOURCE = SOLUTIONS / "09_debugging" / "wrong_numbers.ipynb"
+TIMEOUT_S = 60  # only catches a hang of the tests themselves; the checks keep their own deadline
+
+
+def from_the_notebook(cell_id: str, name: str):
+    """A function as the source notebook's cell ``cell_id`` defines it (the setup cell's names)."""
+    namespace = {"torch": torch, "dist": dist, "F": F, "DataLoader": DataLoader,
+                 "Subset": Subset, "DistributedSampler": DistributedSampler}
+    exec(compile(solution_code(SOURCE, cell_id), "<student notebook>", "exec"), namespace)
+    return namespace[name]
+
+
+accuracy = from_the_notebook("accuracy", "accuracy")
+train_epochs = from_the_notebook("train-epochs", "train_epochs")
+train_accumulated = from_the_notebook("train-accumulated", "train_accumulated")
+given_accuracy = from_the_notebook("given-accuracy", "given_accuracy")
+given_train_epochs = from_the_notebook("given-train-epochs", "given_train_epochs")
+given_train_accumulated = from_the_notebook("given-train-accumulated", "given_train_accumulated")
+
+
+def every_situation(visible, hidden_by_world_size):
+    return [(2, visible)] + list(hidden_by_world_size.items())
+
+
+# --- (a) the solutions pass every situation, well within the tolerances -------------------------
+
+
+def test_the_solutions_pass_every_visible_and_hidden_situation_well_within_the_tolerances():
+    """Observed once per situation, judged as the checks judge; the largest distance from one
+    process is measured against the allowance the module docstring states."""
+    worst = 0.0
+    for world_size, situations in every_situation(checks.VISIBLE_ACCURACY,
+                                                  hidden.ACCURACY_SITUATIONS):
+        reports = run_observation(checks.observe_accuracy, world_size,
+                                  pickle_by_value(accuracy), (situations,), TIMEOUT_S)
+        checks.judge_accuracy(reports, world_size, situations)
+    for world_size, situations in every_situation(checks.VISIBLE_EPOCHS,
+                                                  hidden.EPOCH_SITUATIONS):
+        reports = run_observation(checks.observe_epochs, world_size,
+                                  pickle_by_value(train_epochs), (situations,), TIMEOUT_S)
+        checks.judge_epochs(reports, world_size, situations)
+        for number, s in enumerate(situations):
+            reference = checks.epochs_reference(s, world_size)
+            weights = reports[0]["calls"][number]["weights"]
+            worst = max(worst, *((weights[n] - reference[n]).abs().max().item()
+                                 for n in reference))
+    for world_size, situations in every_situation(checks.VISIBLE_ACCUMULATION,
+                                                  hidden.ACCUMULATION_SITUATIONS):
+        for s in situations:
+            reports = run_observation(checks.observe_accumulated, world_size,
+                                      pickle_by_value(train_accumulated), (s,), TIMEOUT_S)
+            checks.judge_accumulated(reports, world_size, s)
+            gradients, reference = checks.accumulated_reference(s, world_size)
+            observed = reports[0]["gradients"] + [reports[0]["weights"]]
+            for got, want in zip(observed, gradients + [reference]):
+                worst = max(worst, *((got[n] - want[n]).abs().max().item() for n in want))
+    assert worst < checks.ATOL / 10, worst
+
+
+# --- (b) the given functions fail the way the labs say -----------------------------------------
+
+
+def test_the_given_evaluation_counts_the_padding():
+    with pytest.raises(CheckFailed, match=r"returned 0\.5, the exact accuracy is 3 / 7 = "
+                                          r"0\.428571: DistributedSampler\(shuffle=False\) pads "
+                                          r"the data set to 8 samples"):
+        checks.check_accuracy(given_accuracy)
+
+
+def test_the_given_loop_repeats_epoch_0s_order():
+    with pytest.raises(CheckFailed, match=r"rank 0: .* in epoch 1, rank 0 saw samples .*: that "
+                                          r"is epoch 0's order again(.|\n)*rank 1: "):
+        checks.check_train_epochs(given_train_epochs)
+
+
+def test_the_given_accumulation_syncs_every_micro_batch():
+    with pytest.raises(CheckFailed, match=r"expected 2 gradient all-reduce\(s\), one per "
+                                          r"optimizer step, but the ranks all-reduced the "
+                                          r"gradients 6 time\(s\): one per micro-batch"):
+        checks.check_train_accumulated(given_train_accumulated)
+
+
+def forward_moved_into_no_sync(ddp_model, optimizer, micro_batches, accumulation_steps):
+    """The given loop with its first bug fixed only: the sync stays on the group's first."""
+    count = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        first = i - i % accumulation_steps
+        group_size = min(accumulation_steps, count - first)
+        if i % accumulation_steps == 0:
+            (F.mse_loss(ddp_model(x), y) / group_size).backward()
+        else:
+            with ddp_model.no_sync():
+                (F.mse_loss(ddp_model(x), y) / group_size).backward()
+        if i == first + group_size - 1:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_the_given_accumulation_half_fixed_syncs_the_first_micro_batch():
+    with pytest.raises(CheckFailed, match=r"at optimizer step 0, rank 1's gradient of "
+                                          r"'0\.weight' differs from rank 0's(.|\n)*Sync the "
+                                          r"LAST micro-batch"):
+        checks.check_train_accumulated(forward_moved_into_no_sync)
+
+
+# --- (c) the tempting wrong fixes -------------------------------------------------------------
+
+
+def evaluation(padding: str):
+    """An evaluation with DistributedSampler(shuffle=False). padding: "drop_last" (the sampler
+    drops the tail), "total" (the padded duplicates counted, divided by len(dataset)),
+    "everything" (every rank evaluates every sample, no communication), "last_rank" (the last
+    rank drops its last sample, the padded one when 2 ranks pad 1; with more ranks, the padding
+    can be on several ranks: every rank >= n % world_size ends with one)."""
+    def wrong_accuracy(model, dataset, batch_size):
+        rank, world_size, n = dist.get_rank(), dist.get_world_size(), len(dataset)
+        if padding == "everything":
+            with torch.no_grad():
+                right = sum((model(x).argmax(1) == y).sum().item()
+                            for x, y in DataLoader(dataset, batch_size=batch_size))
+            return right / n
+        sampler = DistributedSampler(dataset, shuffle=False, drop_last=padding == "drop_last")
+        indices = list(sampler)
+        if padding == "last_rank" and rank == world_size - 1 and n % world_size:
+            indices = indices[:-1]
+        counts = torch.zeros(2)
+        with torch.no_grad():
+            for x, y in DataLoader(Subset(dataset, indices), batch_size=batch_size):
+                counts[0] += (model(x).argmax(1) == y).sum()
+                counts[1] += len(y)
+        dist.all_reduce(counts)
+        return (counts[0] / (n if padding == "total" else counts[1])).item()
+    return wrong_accuracy
+
+
+@pytest.mark.parametrize("padding, message", [
+    ("drop_last", r"no rank evaluated sample\(s\) \[6\]: that is what "
+                  r"DistributedSampler\(drop_last=True\) leaves out"),
+    ("total", r"the 1 padded sample\(s\) \(repeats of the first ones\) were counted as answers"),
+    ("everything", r"rank 0 evaluated 7 samples; a rank's share is at most ceil\(7 / 2\) = 4"),
+])
+def test_a_tempting_wrong_evaluation_is_caught(padding, message):
+    with pytest.raises(CheckFailed, match=message):
+        checks.check_accuracy(evaluation(padding))
+
+
+def test_a_fix_for_2_ranks_only_passes_the_visible_check_and_fails_the_hidden_one():
+    two_ranks_only = evaluation("last_rank")
+    checks.check_accuracy(two_ranks_only)
+    with pytest.raises(CheckFailed, match=r"10 samples, batch_size=2, 3 rank\(s\): returned "):
+        hidden.check_accuracy(two_ranks_only)
+
+
+def test_set_epoch_after_the_epoch_repeats_epoch_0():
+    def set_too_late(ddp_model, optimizer, dataset, epochs, batch_size, seed):
+        sampler = DistributedSampler(dataset, shuffle=True, seed=seed)
+        for epoch in range(epochs):
+            for x, y in DataLoader(dataset, batch_size=batch_size, sampler=sampler):
+                optimizer.zero_grad()
+                F.mse_loss(ddp_model(x), y).backward()
+                optimizer.step()
+            sampler.set_epoch(epoch)
+
+    with pytest.raises(CheckFailed, match=r"in epoch 1, rank 0 saw .*epoch 0's order again"):
+        checks.check_train_epochs(set_too_late)
+
+
+def accumulation(rule: str):
+    """A wrong fix: "no_tail" syncs on (i + 1) % k == 0 only (the shorter last group never
+    syncs), "divide_by_k" divides the tail's losses by accumulation_steps."""
+    def wrong_accumulated(ddp_model, optimizer, micro_batches, accumulation_steps):
+        count = len(micro_batches)
+        for i, (x, y) in enumerate(micro_batches):
+            first = i - i % accumulation_steps
+            group_size = min(accumulation_steps, count - first)
+            last = i == first + group_size - 1
+            synced = (i + 1) % accumulation_steps == 0 if rule == "no_tail" else last
+            divisor = accumulation_steps if rule == "divide_by_k" else group_size
+            if synced:
+                (F.mse_loss(ddp_model(x), y) / divisor).backward()
+            else:
+                with ddp_model.no_sync():
+                    (F.mse_loss(ddp_model(x), y) / divisor).backward()
+            if last:
+                optimizer.step()
+                optimizer.zero_grad()
+    return wrong_accumulated
+
+
+@pytest.mark.parametrize("rule, message", [
+    ("no_tail", r"5 micro-batches per rank, accumulation_steps=2, 2 rank\(s\): expected 3 "
+                r"gradient all-reduce\(s\).*2 time\(s\): the last micro-batch of every group"),
+    ("divide_by_k", r"accumulation_steps=2, 2 rank\(s\): the gradients at optimizer step 2 are "
+                    r"not one process's"),
+])
+def test_a_tempting_wrong_accumulation_is_caught(rule, message):
+    with pytest.raises(CheckFailed, match=message):
+        checks.check_train_accumulated(accumulation(rule))
+
+
+# --- through the grader's broker, and untrusted reports ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def relayed():
+    """Ranks linked only by the grader's broker (unsandboxed here: the tests' functions are
+    trusted), as the autograder grades communication-audited cases."""
+    with RelayedRanks(lambda rank, relay_dir: trusted.ObservationHost(
+            one_rank=True, dynamo=checks.AUDITED_CASES_BUILD_DDP)) as ranks:
+        yield ranks
+
+
+def test_through_the_broker_the_solution_passes_and_the_given_loop_is_counted(host, relayed):
+    s = checks.VISIBLE_ACCUMULATION[:1]
+    checks.run_accumulation(submitted(train_accumulated, host, relayed), 2, s)
+    with pytest.raises(CheckFailed, match=r"all-reduced the gradients 6 time\(s\)"):
+        checks.run_accumulation(submitted(given_train_accumulated, host, relayed), 2, s)
+
+
+def test_the_judges_read_reports_as_untrusted_data():
+    s = checks.accumulation_situation(2, 2)
+    reports = run_observation(checks.observe_accumulated, 2, pickle_by_value(train_accumulated),
+                              (s,), TIMEOUT_S)
+    checks.judge_accumulated(reports, 2, s)  # as reported: right
+    forged = [
+        (["traffic", "collective_calls"], [["all_reduce", "lots"]], "malformed"),
+        (["gradients"], [{"0.weight": "a tensor"}], "gradients is malformed"),
+        (["weights"], {"0.weight": torch.zeros(1)}, "as tensors"),
+        (["raised"], {"type": "ValueError", "message": "no"}, "raised ValueError: no"),
+        ([], None, "lacks 'raised'"),
+    ]
+    for path, value, message in forged:
+        with pytest.raises(CheckFailed, match=message):
+            checks.judge_accumulated([altered(reports[0], path, value), reports[1]], 2, s)
+    situations = checks.VISIBLE_ACCURACY[:1]
+    with pytest.raises(CheckFailed, match="calls instead of 1"):
+        checks.judge_accuracy([{"calls": []}, {"calls": []}], 2, situations)
