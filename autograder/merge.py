@@ -21,7 +21,8 @@ and ``merged_from`` says where each part came from. It refuses, before writing a
 for different assignments, a student in two outputs, a shard that is missing, doubled or saw
 another class, and a folder that is not a finished grading output. The outputs merged need not
 be shards: any grading outputs of one assignment with no student in common merge the same way.
-Each kind of result is merged by a step of its own (:data:`MERGE_STEPS`).
+Each kind of result is merged by a step of its own (:data:`MERGE_STEPS`; merging the students'
+gradebooks into one course gradebook would be one more).
 """
 
 from __future__ import annotations

@@ -5,14 +5,15 @@
 #     autograder/slurm/submit_grading.sh SUBMISSIONS ASSIGNMENT OUT SHARDS
 #
 # Run it from the repository root with the course's environment activated. It submits
-# grade_array.sbatch as an array of SHARDS tasks, each grading --jobs JOBS submissions at once on
-# 2*JOBS cores (JOBS=4 by default), with a time limit that even a class whose every submission
-# runs to --student-timeout (STUDENT_TIMEOUT, 1800 s by default) fits in; then a one-core job,
-# --dependency=afterok on the array, that runs `python -m autograder merge` into OUT. If a task
-# fails, the merge never starts (--kill-on-invalid-dep removes it); grade that shard again with
-# the command in its log, then run the merge command by hand.
+# grade_array.sbatch as an array of SHARDS tasks, each grading --jobs JOBS submissions at once
+# on 2*JOBS cores and 4*JOBS GiB (JOBS=4 by default), with a time limit that even a class whose
+# every submission runs to --student-timeout (STUDENT_TIMEOUT, 1800 s by default) fits in; then
+# a one-core job, --dependency=afterok on the array, that runs `python -m autograder merge` into
+# OUT. If a task fails, the merge never starts (--kill-on-invalid-dep removes it); grade that
+# shard again with the command at the top of its log (grade-shard-JOB_TASK.log), then run the
+# merge by hand.
 # Extra sbatch options (partition, account, --mem) go in GRADING_SBATCH_OPTIONS (not a name that
-# sbatch itself reads), e.g.
+# sbatch itself reads), which come after the script's own and so win, e.g.
 #     GRADING_SBATCH_OPTIONS="--partition=short --mem=24G" autograder/slurm/submit_grading.sh ...
 
 set -euo pipefail
@@ -37,10 +38,10 @@ echo "$students submissions of $assignment in $shards shards: up to $per_shard p
      "$jobs at a time, at most $minutes minutes per task"
 
 # shellcheck disable=SC2086  # GRADING_SBATCH_OPTIONS is a list of options
-array=$(sbatch --parsable ${GRADING_SBATCH_OPTIONS:-} --array="0-$(( shards - 1 ))" \
-    --cpus-per-task=$(( 2 * jobs )) --time="$minutes" \
+array=$(sbatch --parsable --array="0-$(( shards - 1 ))" \
+    --cpus-per-task=$(( 2 * jobs )) --mem="$(( 4 * jobs ))G" --time="$minutes" \
     --export=ALL,GRADING_JOBS="$jobs",STUDENT_TIMEOUT="$student_timeout" \
-    "$here/grade_array.sbatch" "$submissions" "$assignment" "$out")
+    ${GRADING_SBATCH_OPTIONS:-} "$here/grade_array.sbatch" "$submissions" "$assignment" "$out")
 array=${array%%;*}  # --parsable prints "jobid" or "jobid;cluster"
 
 outputs=""
@@ -48,8 +49,8 @@ for (( i = 1; i <= shards; i++ )); do
     outputs+=" $(printf %q "$out/shard-$i-of-$shards")"
 done
 # shellcheck disable=SC2086
-merge=$(sbatch --parsable ${GRADING_SBATCH_OPTIONS:-} --dependency="afterok:$array" \
-    --kill-on-invalid-dep=yes --job-name=grade-merge --cpus-per-task=1 --mem=2G --time=30 \
-    --output="grade-merge-%j.log" \
+merge=$(sbatch --parsable --dependency="afterok:$array" --kill-on-invalid-dep=yes \
+    --job-name=grade-merge --cpus-per-task=1 --mem=2G --time=30 --output="grade-merge-%j.log" \
+    ${GRADING_SBATCH_OPTIONS:-} \
     --wrap "${PYTHON:-python} -m autograder merge$outputs --out $(printf %q "$out")")
 echo "submitted: grading array $array ($shards tasks), merge ${merge%%;*} after it"
