@@ -1,0 +1,421 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "intro", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# # Exercise 09: DDP's own errors
+#
+# Three failures that DDP itself reports, each met in real jobs: an error on the second
+# iteration from a head the loss never uses, a checkpoint that cannot be resumed the way it was
+# saved, and "marked ready twice" from activation checkpointing. For each lab: run the code you
+# are given and read the failure, then write the fixed function (its docstring is the contract).
+#
+# **How it is tested.** The tests call your function on every rank of a real gloo process group
+# (2 ranks in the visible tests), with a deadline, and check behaviour: the weights of one process
+# trained on every rank's batches, identical replicas, what the ranks all-reduce (lab 1), who
+# writes the checkpoint and whether the resumed run continues the uninterrupted one bit for bit
+# (lab 10), and that activation checkpointing still recomputes the block (lab 11). Use the
+# default group as usual; never call `init_process_group` here.
+#
+# **Self-check** from the repository root: `pytest exercises/09_debugging/ddp_errors.ipynb`.
+# Hidden tests (1, 3 and 4 ranks; an aux head used on some steps only; SGD with momentum; a block
+# applied twice per forward) run when the notebook is graded. Keep the names and signatures
+# exactly as given, and do not reassign library functions (the tests check for it).
+
+# %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Setup - locked. Run it first, and keep it the FIRST code cell: the tests rely on it.
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpcourse.grading import integrity, setup_notebook
+from ddpcourse.grading.checks import audited_traffic
+from ddpcourse.grading.exercises import ddp_errors as checks
+from ddpcourse.launcher import run_ranks
+
+setup_notebook("ddp_errors")
+
+
+def first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "lab-unused-head", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Lab 1: a head the loss does not use
+#
+# The model (`checks.TwoHeads`) has a backbone, the task's `head`, and an `aux` head with a loss
+# of its own, `model(x, with_aux=True)` returning both outputs. This fine-tuning run has no aux
+# labels (`aux_y` is `None` in every batch), so the forward skips the aux head.
+
+# %% nbgrader={"grade": false, "grade_id": "given-unused-head", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Locked: the loop as the job runs it. Copy it into a cell of your own to experiment.
+def given_train_with_aux(model, batches, lr):
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for x, y, aux_y in batches:
+        out, aux = ddp_model(x, with_aux=aux_y is not None)
+        loss = F.cross_entropy(out, y)
+        if aux_y is not None:
+            loss = loss + F.cross_entropy(aux, aux_y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+# %%
+# Run it: 2 ranks, 4 steps, no aux labels. Which iteration raises, and what did step 1 do?
+def run_unused(rank, world_size, train_with_aux):
+    s = checks.unused_setting(seed=1, steps=4)
+    model = checks.make_two_heads(seed=rank)
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    error = None
+    with audited_traffic() as traffic:
+        try:
+            train_with_aux(model, checks.aux_batches(s, rank), s["lr"])
+        except RuntimeError as exc:
+            error = str(exc)
+    all_reduces = [c for c in traffic["collective_calls"] if c[0] == "all_reduce"]
+    return {"iteration that raised": len(forwards) + 1 if error else None,
+            "gradient all-reduces before it": len(all_reduces),
+            "backbone weight sum": round(model.backbone.weight.sum().item(), 6),
+            "error": error}
+
+
+for rank, seen in enumerate(run_ranks(run_unused, 2, given_train_with_aux, timeout=30)):
+    print(f"rank {rank}:", {k: v for k, v in seen.items() if k != "error"})
+print(seen["error"])
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "read-unused-head", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# **What happened.** DDP's reducer waits, in every backward, for a gradient of *every* parameter
+# it wraps before it all-reduces the bucket that holds it. The aux head got none, so the bucket
+# was never all-reduced: step 1's `optimizer.step()` used each rank's **own** gradients (no
+# all-reduce at all, and the replicas already differ, see the weight sums), and the error comes
+# only at the **next** forward, the second iteration: "Expected to have finished reduction in the
+# prior iteration before starting a new one", naming the parameter indices that got no gradient
+# (4 and 5: `aux.weight`, `aux.bias`; `TORCH_DISTRIBUTED_DEBUG=INFO` names them). Had the aux head
+# been used on step 1 and skipped on step 2, the error would come at the third iteration.
+#
+# **The fixes.** The error suggests `find_unused_parameters=True`, which works, at a price on every
+# step: DDP traverses the autograd graph after each forward to find the unused parameters and
+# all-reduces a map of which parameters each rank used (`Reducer::all_reduce_local_used_map` in
+# torch/csrc/distributed/c10d/reducer.cpp), 4 bytes per parameter tensor per step. This lab asks
+# for a fix without it (the test counts what the ranks all-reduce):
+#
+# * **Give DDP nothing to wait for**: freeze the head before wrapping
+#   (`model.aux.requires_grad_(False)`: DDP registers only parameters that require a gradient) or
+#   leave it out of what DDP wraps. Right when the head is not trained in this run.
+# * **Give it a part in every loss**: `loss + 0 * aux.sum()` on the steps without aux labels. Its
+#   gradient is then zero, which plain SGD (no momentum, no weight decay) turns into no change at
+#   all: SGD skips a parameter whose `.grad` is `None` and subtracts `lr * 0` from one whose
+#   gradient is zero (torch/optim/sgd.py, `_init_group` and `_single_tensor_sgd`). With weight
+#   decay or momentum a zero gradient still moves the weights, so the trick changes the result
+#   there. It costs the head's forward, backward and gradient all-reduce on every step, and it is
+#   the fix that still works when the head **is** trained on some steps.
+# * **`static_graph=True`** tells DDP that the same parameters are used on every iteration: it
+#   records the unused ones on the first iteration (all-reducing the map once) and marks them
+#   ready itself afterwards. Right when the head is never used; when it is used on some steps
+#   only, DDP raises ("Your training graph has changed in this iteration...").
+
+# %% nbgrader={"grade": false, "grade_id": "train_with_aux", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def train_with_aux(model: nn.Module, batches: list, lr: float) -> None:
+    """Train `model` (a `checks.TwoHeads`, this rank's) with DDP and plain SGD on this rank's
+    batches, without `find_unused_parameters=True`.
+
+    Called on every rank of the default process group (gloo, CPU); every rank's model starts
+    from other weights (DDP's constructor gives every rank rank 0's). `batches[s] = (x, y,
+    aux_y)` is this rank's batch of step s; `aux_y` is `None` on the steps without aux labels,
+    the same steps on every rank. Step s: one optimizer step of
+    `torch.optim.SGD(..., lr=lr)` (no momentum, no weight decay) on the loss
+    `F.cross_entropy(out, y)`, plus `F.cross_entropy(aux, aux_y)` when `aux_y` is given, where
+    `out, aux = model(x, with_aux=...)`.
+
+    Afterwards, on every rank: `model` itself is trained (wrap it, do not copy it); all ranks hold
+    bit-identical parameters, the weights of one process training rank 0's initial model on
+    every rank's batches (each step's gradient the mean of the ranks' loss gradients; to
+    1e-6 + 1e-5 * |w|). What the ranks all-reduce is gradients only: no map of used parameters on
+    every step, which is what `find_unused_parameters=True` adds (the check counts the bytes).
+    """
+    ### BEGIN SOLUTION
+    # No aux labels in the whole run: nothing to train there, so DDP must not wait for it.
+    if all(aux_y is None for _, _, aux_y in batches):
+        model.aux.requires_grad_(False)
+    ddp_model = DDP(model)
+    optimizer = torch.optim.SGD([p for p in ddp_model.parameters() if p.requires_grad], lr=lr)
+    for x, y, aux_y in batches:
+        out, aux = ddp_model(x, with_aux=model.aux.weight.requires_grad)
+        loss = F.cross_entropy(out, y)
+        if aux_y is not None:
+            loss = loss + F.cross_entropy(aux, aux_y)
+        elif aux is not None:
+            loss = loss + 0 * aux.sum()  # a zero gradient: plain SGD leaves the head unchanged
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ### END SOLUTION
+
+
+# %%
+# Try it: the same run with your function.
+for rank, seen in enumerate(run_ranks(run_unused, 2, train_with_aux, timeout=30)):
+    print(f"rank {rank}:", {k: v for k, v in seen.items() if k != "error"}, seen["error"])
+
+# %% nbgrader={"grade": true, "grade_id": "test-unused-head", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Test (3 points): 2 ranks, 4 steps, no aux labels: no error, equal replicas, one process's weights, gradients only on the wire.
+from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import ddp_errors as checks
+integrity.assert_untampered()
+checks.check_aux_head_never_used(train_with_aux)
+print("passed")
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "lab-checkpoint", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Lab 10: a checkpoint that does not resume
+#
+# The job saves after step 3 and a new job resumes from the file: it builds the plain model
+# (`checks.Net`) and its Adam optimizer, calls `resume`, wraps the model in DDP and trains on.
+# Chapter 08 builds a complete checkpoint; this lab is about recognising the broken one.
+
+# %% nbgrader={"grade": false, "grade_id": "given-checkpoint", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Locked: the save and the resume as the job has them.
+def given_save_checkpoint(ddp_model, optimizer, path):
+    torch.save(ddp_model.state_dict(), path)
+
+
+def given_resume(model, optimizer, path):
+    model.load_state_dict(torch.load(path))
+
+
+# %%
+# Run it: 2 ranks train 3 steps and save; a resume into the plain model; a resume into the
+# wrapper (whose keys match) with a fresh Adam; then both runs go on for 3 steps.
+def run_checkpoint(rank, world_size, folder, save_checkpoint, resume):
+    path = os.path.join(folder, "checkpoint.pt")
+    ddp_model = DDP(checks.make_net(0))
+    optimizer = checks.make_optimizer("adam", ddp_model)
+    checks.grader_steps(ddp_model, optimizer, 0, range(3), rank)
+    save_checkpoint(ddp_model, optimizer, path)
+    dist.barrier()
+    try:
+        resume(checks.make_net(1), checks.make_optimizer("adam", ddp_model), path)
+        plain = "loaded"
+    except RuntimeError as exc:
+        plain = first_line(exc) + " " + str(exc).splitlines()[1].strip()[:160]
+    resumed = DDP(checks.make_net(1))
+    resumed.load_state_dict(torch.load(path))
+    fresh_adam = checks.make_optimizer("adam", resumed)
+    checks.grader_steps(resumed, fresh_adam, 0, range(3, 6), rank)
+    checks.grader_steps(ddp_model, optimizer, 0, range(3, 6), rank)
+    gap = max((a - b).abs().max().item() for a, b in zip(resumed.parameters(),
+                                                           ddp_model.parameters()))
+    return plain, gap
+
+
+with tempfile.TemporaryDirectory() as folder:
+    plain, gap = run_ranks(run_checkpoint, 2, folder, given_save_checkpoint, given_resume,
+                           timeout=30)[0]
+print("into the plain model:", plain)
+print(f"resumed through the wrapper, 3 steps later: {gap:.3g} from the uninterrupted weights")
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "read-checkpoint", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# **What happened.** Three mistakes, two of which show:
+#
+# * The wrapper's `state_dict()` names every tensor `module.<name>`, so the plain model of the new
+#   job refuses it: "Error(s) in loading state_dict ... Missing key(s) ... Unexpected key(s)
+#   ... module.inp.weight". Save `ddp_model.module.state_dict()`.
+# * Only the weights were saved: the resumed Adam starts with no moments and step count 0, so
+#   its first steps are far larger than the uninterrupted run's (the loss jumps), and the runs
+#   part (the gap above). Save and restore `optimizer.state_dict()` too, on every rank (DDP
+#   broadcasts the weights when it wraps, never the optimizer).
+# * Every rank writes the same file. Replicas are identical, so this is one file written N times,
+#   at once: on a shared filesystem the writes race, and a reader can meet a half-written file.
+#   Rank 0 writes, then every rank waits (`dist.barrier()`) so that no rank goes on (or resumes)
+#   before the file is complete. One file per rank (`checkpoint-{rank}.pt`) avoids the race but
+#   is not accepted here either: N copies of the same bytes, N times the I/O, and a job resumed
+#   on another number of ranks has no file for its new ranks.
+
+# %% nbgrader={"grade": false, "grade_id": "save_checkpoint", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def save_checkpoint(ddp_model: DDP, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Save what a new job needs to continue exactly, at `path`.
+
+    Called on every rank, same arguments, after the same step. Only rank 0 writes; every rank
+    returns only once the file is complete. The file loads with
+    `torch.load(path, weights_only=True)` into a dict with `"model"`, the plain model's
+    `state_dict()` (no `module.` prefix: it loads into the unwrapped model), and `"optimizer"`,
+    the optimizer's `state_dict()`; other keys are allowed.
+    """
+    ### BEGIN SOLUTION
+    if dist.get_rank() == 0:
+        torch.save({"model": ddp_model.module.state_dict(),
+                    "optimizer": optimizer.state_dict()}, path)
+    dist.barrier()
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": false, "grade_id": "resume", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def resume(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Restore `model` (the plain, unwrapped model of a new job: DDP wraps it afterwards) and
+    `optimizer` (built over its parameters) from the file `save_checkpoint` wrote at `path`.
+
+    Called on every rank. Training on from here must give, bit for bit, the weights of a run
+    that was never interrupted.
+    """
+    ### BEGIN SOLUTION
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    ### END SOLUTION
+
+
+# %%
+# Try it: the new job's view (the save's file into a plain model) and the resumed run's gap.
+def try_checkpoint(rank, world_size, folder):
+    path = os.path.join(folder, "checkpoint.pt")
+    ddp_model = DDP(checks.make_net(0))
+    optimizer = checks.make_optimizer("adam", ddp_model)
+    checks.grader_steps(ddp_model, optimizer, 0, range(3), rank)
+    save_checkpoint(ddp_model, optimizer, path)
+    model = checks.make_net(1)
+    new_optimizer = checks.make_optimizer("adam", model)
+    resume(model, new_optimizer, path)
+    checks.grader_steps(DDP(model), new_optimizer, 0, range(3, 6), rank)
+    checks.grader_steps(ddp_model, optimizer, 0, range(3, 6), rank)
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), ddp_model.parameters()))
+
+
+with tempfile.TemporaryDirectory() as folder:
+    print("resumed == uninterrupted, bit for bit:",
+          run_ranks(try_checkpoint, 2, folder, timeout=30))
+
+# %% nbgrader={"grade": true, "grade_id": "test-checkpoint", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Test (3 points): 2 ranks, Adam: rank 0 alone writes, every rank waits for it, the file loads into the plain model, and the resumed run ends bit for bit where the uninterrupted one does.
+from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import ddp_errors as checks
+integrity.assert_untampered()
+checks.check_resume(save_checkpoint, resume)
+print("passed")
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "lab-reentrant", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Lab 11: activation checkpointing, "marked ready twice"
+#
+# The model (`checks.Tower`) has a block whose activations it can recompute in the backward
+# instead of keeping them (`model.enable_checkpointing(use_reentrant=...)`, as Hugging Face's
+# `gradient_checkpointing_enable` does), and a `pooler` this job does not use, which is why its
+# author passed `find_unused_parameters=True`.
+
+# %% nbgrader={"grade": false, "grade_id": "given-reentrant", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Locked: the loop as the job runs it.
+def given_train_tower(model, batches, lr):
+    model.enable_checkpointing(use_reentrant=True)  # saves the block's activation memory
+    ddp_model = DDP(model, find_unused_parameters=True)  # the pooler is unused
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for x, y in batches:
+        loss = F.cross_entropy(ddp_model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+# %%
+# Run it: 2 ranks, the block applied once per forward.
+def run_tower(rank, world_size, train_tower, repeats):
+    s = checks.tower_setting(seed=3, repeats=repeats)
+    try:
+        train_tower(checks.make_tower(rank, repeats), checks.tower_batches(s, rank), s["lr"])
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+message = run_ranks(run_tower, 2, given_train_tower, 1, timeout=30)[0]
+print(message[:200], "...\n...", message.splitlines()[-1])
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "read-reentrant", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# **What happened.** On the first backward: "Expected to mark a variable ready only once ...
+# Parameter at index 3 with name block.0.bias has been marked as ready twice". No parameter is
+# shared and the block runs once: the combination of the two flags is enough. Reentrant
+# checkpointing (`use_reentrant=True`) runs the block under `no_grad` in the forward and
+# recomputes it in a backward of its own; the block's parameters are not in the graph that
+# `find_unused_parameters=True` traverses after the forward, so DDP takes them for unused and
+# marks them ready at once, and then the inner backward's gradient hooks mark them ready again.
+# (The same error, without `find_unused_parameters`, comes from a reentrant-checkpointed block
+# applied twice in one forward: the hidden tests have one.)
+#
+# **The fixes**, each shown to pass these tests:
+#
+# * `use_reentrant=False`: the non-reentrant implementation records the recomputation in the
+#   same autograd graph (saved-tensor hooks), so DDP sees the block's parameters used once. The
+#   PyTorch docs recommend it (torch.utils.checkpoint.checkpoint); keep
+#   `find_unused_parameters=True` for the pooler.
+# * `static_graph=True` in place of `find_unused_parameters=True`: DDP learns on the first
+#   iteration which parameters are used and how often their hooks fire, and marks them
+#   accordingly, so reentrant checkpointing and the unused pooler both work, as long as the
+#   graph is the same on every iteration.
+# * Dropping `find_unused_parameters` alone is no fix: the pooler's missing gradient then raises
+#   lab 1's error on the second iteration; and dropping the checkpointing gives back the memory
+#   it saved (the test counts the block's recomputations).
+
+# %% nbgrader={"grade": false, "grade_id": "train_tower", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def train_tower(model: nn.Module, batches: list, lr: float) -> None:
+    """Train `model` (a `checks.Tower`, this rank's) with DDP and plain SGD, its block's
+    activations checkpointed.
+
+    Called on every rank of the default process group (gloo, CPU); every rank's model starts
+    from other weights. `batches[s] = (x, y)` is this rank's batch of step s; step s is one step
+    of `torch.optim.SGD(..., lr=lr)` on `F.cross_entropy(model(x), y)`. The model may apply its
+    block more than once per forward (`model.repeats`, shared weights); its pooler is unused.
+
+    Afterwards, on every rank: the block's forward ran twice per application (once in the
+    forward, once recomputed in the backward: `model.enable_checkpointing(...)` is on); `model`
+    itself is trained; all ranks hold bit-identical parameters, the weights of one process
+    training rank 0's initial model on every rank's batches (to 1e-6 + 1e-5 * |w|).
+    """
+    ### BEGIN SOLUTION
+    model.enable_checkpointing(use_reentrant=False)
+    ddp_model = DDP(model, find_unused_parameters=True)  # the pooler is unused
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for x, y in batches:
+        loss = F.cross_entropy(ddp_model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ### END SOLUTION
+
+
+# %%
+# Try it: once and twice per forward.
+for repeats in (1, 2):
+    print(f"block applied {repeats}x:", run_ranks(run_tower, 2, train_tower, repeats, timeout=30))
+
+# %% nbgrader={"grade": true, "grade_id": "test-reentrant", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# Test (2 points): 2 ranks, the block applied once per forward: no error, the block recomputed in every backward, equal replicas, one process's weights.
+from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import ddp_errors as checks
+integrity.assert_untampered()
+checks.check_checkpointed_tower(train_tower)
+print("passed")
+
+# %% nbgrader={"grade": true, "grade_id": "test-ddp-errors-hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (3 points) an aux head trained on some steps only (3 ranks), 1 and 4 ranks; a resume with SGD and momentum on 3 ranks, and on 1; a block applied twice per forward (3 ranks).
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import ddp_errors as hidden
+hidden.check_ddp_errors(train_with_aux, save_checkpoint, resume, train_tower)
+print("passed")
+### END HIDDEN TESTS
