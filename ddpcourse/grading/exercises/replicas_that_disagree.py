@@ -34,6 +34,7 @@ or more).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -346,14 +347,33 @@ def one_process_temperature(s: Situation, world_size: int) -> dict:
     rank's batch, concatenated), the mean loss, plain SGD."""
     model, criterion = make_model(model_seed(s, 0)), make_criterion(s, 0)
     everyone = [make_batches(s, rank) for rank in range(world_size)]
-    optimizer = torch.optim.SGD([*model.parameters(), *criterion.parameters()], lr=s.lr)
+    params = [*model.parameters(), *criterion.parameters()]
     for step in range(s.steps):
         x = torch.cat([batches[step][0] for batches in everyone])
         y = torch.cat([batches[step][1] for batches in everyone])
-        optimizer.zero_grad()
-        criterion(model(x), y).backward()
-        optimizer.step()
+        grads = torch.autograd.grad(criterion(model(x), y), params)
+        _sgd_step(params, grads, s.lr)
     return {"model": _state(model), "criterion": _state(criterion)}
+
+
+def _sgd_step(params, grads, lr: float) -> None:
+    """What plain ``torch.optim.SGD`` does (no momentum, no weight decay), without importing
+    the optimizers (their first import costs the judge seconds)."""
+    with torch.no_grad():
+        for p, grad in zip(params, grads):
+            p.add_(grad, alpha=-lr)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The judge's tiny models on one thread: on a loaded machine, two threads per matrix
+    product of this size are many times slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def replay_temperature(s: Situation, world_size: int, mistake: str) -> list[dict]:
@@ -375,9 +395,8 @@ def replay_temperature(s: Situation, world_size: int, mistake: str) -> list[dict
                     grads = torch.autograd.grad(loss, [*params, criterion.log_temperature])
                 for total, grad in zip(model_grads, grads[:-1]):
                     total += grad / world_size
-                criterion.log_temperature -= s.lr * grads[-1]
-            for p, grad in zip(params, model_grads):
-                p -= s.lr * grad
+                criterion.log_temperature.add_(grads[-1], alpha=-s.lr)
+            _sgd_step(params, model_grads, s.lr)
             if mistake == "broadcast each step":
                 for criterion in temperatures[1:]:
                     criterion.log_temperature.copy_(temperatures[0].log_temperature)
@@ -442,9 +461,7 @@ def replay_batchnorm(s: Situation, world_size: int, buffers: str) -> list[dict]:
             held[rank] = {n: b.clone() for n, b in model.named_buffers()}
             for total, grad in zip(totals, grads):
                 total += grad / world_size
-        with torch.no_grad():
-            for p, total in zip(params, totals):
-                p -= s.lr * total
+        _sgd_step(params, totals, s.lr)
     if buffers == "rank 0":
         held = [dict(held[0]) for _ in range(world_size)]
     elif buffers == "averaged":
@@ -563,6 +580,16 @@ def _judge_states(states: list[dict], reference: dict, replays: dict, mistakes: 
 
 
 def judge_temperature(observations, world_size, situations):
+    with _one_thread():
+        _judge_temperature(observations, world_size, situations)
+
+
+def judge_batchnorm(observations, world_size, situations):
+    with _one_thread():
+        _judge_batchnorm(observations, world_size, situations)
+
+
+def _judge_temperature(observations, world_size, situations):
     reports = _read_calls(observations, len(situations))
     for number, situation in enumerate(situations):
         s = Situation(*situation)
@@ -582,7 +609,7 @@ def judge_temperature(observations, world_size, situations):
                       ("model", "criterion"))
 
 
-def judge_batchnorm(observations, world_size, situations):
+def _judge_batchnorm(observations, world_size, situations):
     reports = _read_calls(observations, len(situations))
     for number, situation in enumerate(situations):
         s = Situation(*situation)
