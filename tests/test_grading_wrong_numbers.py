@@ -23,10 +23,10 @@ from autograder.relayed import RelayedRanks
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed, run_observation
 from ddpcourse.grading.exercises import wrong_numbers as checks
-from ddpcourse.launcher import pickle_by_value
+from ddpcourse.launcher import pickle_by_value, wait_until_warm
 from trusted_path import altered, submitted
 
-pytestmark = pytest.mark.usefixtures("integrity_snapshot")
+pytestmark = pytest.mark.usefixtures("integrity_snapshot", "warm_ranks")
 # This module's functions travel to the ranks by value, as a notebook's do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -48,6 +48,13 @@ train_accumulated = from_the_notebook("train-accumulated", "train_accumulated")
 given_accuracy = from_the_notebook("given-accuracy", "given_accuracy")
 given_train_epochs = from_the_notebook("given-train-epochs", "given_train_epochs")
 given_train_accumulated = from_the_notebook("given-train-accumulated", "given_train_accumulated")
+
+
+@pytest.fixture(scope="module")
+def warm_ranks():
+    """As the notebook's setup cell does: ranks forked from the server that has torch._dynamo
+    imported, so the checks' short deadline never pays for DDP's first import on a busy machine."""
+    wait_until_warm()
 
 
 def every_situation(visible, hidden_by_world_size):
