@@ -166,6 +166,7 @@ def write_output(out: Path, students: list[str], shard: Shard = Shard(),
                  assignment: str = "05_allreduce", whole_class=CLASS) -> Path:
     """What ``grade_class`` writes for ``students`` (its own CSV writer), with a feedback page
     and a log for each."""
+    out.mkdir(parents=True)
     results = [result_of(s, CLASS.get(s, {}), assignment) for s in students]
     for result in results:
         student = result["student"]
@@ -192,17 +193,33 @@ def merge_refused(capsys, *args) -> str:
     return capsys.readouterr().err
 
 
-def test_merged_shards_are_byte_for_byte_the_single_runs_csv(tmp_path):
+@pytest.mark.parametrize("count", [3, 5])  # 5 shards of 4 students: one shard is empty
+def test_merged_shards_are_byte_for_byte_the_single_runs_csv(tmp_path, count):
     whole = write_output(tmp_path / "whole", sorted(CLASS))
-    shards = [write_output(tmp_path / f"s{i}", Shard(i, 3).select(CLASS), Shard(i, 3))
-              for i in (1, 2, 3)]
+    shards = [write_output(tmp_path / f"s{i}", Shard(i, count).select(CLASS), Shard(i, count))
+              for i in range(1, count + 1)]
     assert main(["merge", *map(str, shards), "--out", str(tmp_path / "merged")]) == 0
     merged = (tmp_path / "merged" / "grades.csv").read_bytes()
     assert merged == (whole / "grades.csv").read_bytes()
     assert b"\r\n" in merged and b"test-a,test-b,test-c" in merged
-    # shard 3 held only tim, with no export: its CSV has grade.py's default columns
-    assert read_csv(shards[2] / "grades.csv")[0][:5] == DEFAULT_EXPORT_COLUMNS
+    # shard 3 of 3 held only tim, with no export (and shard 5 of 5 no one): their CSVs have
+    # grade.py's default columns
+    assert read_csv(shards[2 if count == 3 else 4] / "grades.csv")[0][:5] == DEFAULT_EXPORT_COLUMNS
     assert (tmp_path / "merged/feedback/tim/05_allreduce/part.html").read_text() == "<p>tim</p>"
+    summary = json.loads((tmp_path / "merged/summary.json").read_text())
+    assert summary["shard"] == Shard().record(CLASS) and summary["submissions"] == len(CLASS)
+
+
+def test_outputs_written_before_shards_existed_merge_as_whole_runs(tmp_path):
+    parts = [write_output(tmp_path / name, students, whole_class=students)
+             for name, students in (("a", ["eve", "gil"]), ("b", ["tim", "zoe"]))]
+    for part in parts:
+        summary = json.loads((part / "summary.json").read_text())
+        del summary["assignment"], summary["shard"]
+        (part / "summary.json").write_text(json.dumps(summary))
+    assert main(["merge", *map(str, parts), "--out", str(tmp_path / "merged")]) == 0
+    whole = write_output(tmp_path / "whole", sorted(CLASS))
+    assert (tmp_path / "merged/grades.csv").read_bytes() == (whole / "grades.csv").read_bytes()
 
 
 def test_merge_refuses_outputs_of_different_assignments(tmp_path, capsys):
