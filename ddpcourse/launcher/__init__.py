@@ -36,7 +36,9 @@ Also public: :mod:`ddpcourse.launcher.errors` (the errors above, written for a s
 modules are the launcher's own parts: ``_call`` (one call: fork, watch, report, clean up),
 ``_server_client`` (start the rank servers, talk to them), ``_rank_server`` (forks ranks),
 ``_rank_child`` (runs inside a rank), ``_job`` (the files of one call), ``_output`` (relays what
-ranks print) and ``_pickling`` (sends ``fn`` by value, keeping tracebacks readable).
+ranks print), ``_pickling`` (sends ``fn`` by value, keeping tracebacks readable) and
+``_interrupts`` (a Ctrl-C at any moment of a call raises ``KeyboardInterrupt`` and leaves no rank
+behind; ``set_phase_hook`` lets tests interrupt a call at each of its named ``PHASES``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any, Callable
 
 from ddpcourse.launcher import _pickling
 from ddpcourse.launcher._call import Call
+from ddpcourse.launcher._interrupts import PHASES, interrupts_deferred, reached, set_phase_hook
 from ddpcourse.launcher._job import JobCall, JobFiles, JobSpec
 from ddpcourse.launcher._server_client import pool
 from ddpcourse.launcher.errors import RankError, RankFailure, RankTimeoutError
@@ -59,6 +62,7 @@ from ddpcourse.launcher.processes import run_bounded
 __all__ = [
     "run_ranks", "prestart", "resolve_backend", "RankError", "RankFailure", "RankTimeoutError",
     "run_bounded", "wait_until_warm", "wait_until_ready", "rank_server_pids", "usable_cores", "pickle_by_value",
+    "PHASES", "set_phase_hook",
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -84,8 +88,9 @@ def resolve_backend(backend: str, world_size: int) -> str:
 
     Checking the GPU count does not initialise CUDA in this process.
     """
-    import torch
-    import torch.distributed as dist
+    with interrupts_deferred():  # a Ctrl-C inside torch's first import would be lost
+        import torch
+        import torch.distributed as dist
 
     enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     if backend == "auto":
@@ -169,6 +174,7 @@ def run_ranks(
         raise ValueError(f"world_size must be a positive int, not {world_size!r}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    reached("call started")
     backend = resolve_backend(backend, world_size)
     spec = JobSpec(
         world_size=world_size,

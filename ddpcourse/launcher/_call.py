@@ -1,9 +1,11 @@
 """One :func:`ddpcourse.launcher.run_ranks` call: fork the ranks, watch them, report, clean up.
 
-The parent's loop: ask the rank server to fork each rank, then, until every rank has exited or the
-deadline passed, collect the server's fork and exit events and relay the ranks' output. A rank that
-did not return stops the others at once; at the deadline the stuck ranks dump their Python stacks
-first. Whatever happens, every rank (and whatever it started) is killed and reaped before returning.
+The parent's loop: once the rank server is ready, ask it to fork each rank, then, until every rank
+has exited or the deadline passed, collect the server's fork and exit events and relay the ranks'
+output. A rank that did not return stops the others at once; at the deadline the stuck ranks dump
+their Python stacks first. Whatever happens, every rank requested (and whatever it started) is
+killed and reaped before returning, a Ctrl-C included: it may end a wait at any moment, but not the
+recording of an event nor the clean-up (see :mod:`ddpcourse.launcher._interrupts`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import time
 from typing import Any
 
+from ddpcourse.launcher._interrupts import interrupts_deferred, reached
 from ddpcourse.launcher._job import JobFiles, JobSpec
 from ddpcourse.launcher._output import RankOutput
 from ddpcourse.launcher._server_client import RankServer
@@ -32,6 +35,7 @@ class Call:
         self.server = server
         self.files = files
         self.spec = spec
+        self.requested = 0  # ranks asked of the server; each is reported forked, then exited
         self.pids: dict[int, int] = {}  # rank -> pid
         self.exitcodes: dict[int, int] = {}  # rank -> exit code
         self.outputs = [
@@ -42,8 +46,12 @@ class Call:
         world_size = self.spec.world_size
         deadline = time.monotonic() + self.spec.timeout_s
         try:
-            for rank in range(world_size):
-                self.server.fork(self.files.dir, rank)
+            self._wait_for_ready_server(deadline)
+            with interrupts_deferred():
+                for rank in range(world_size):
+                    self.server.fork(self.files.dir, rank)
+                    self.requested += 1
+            reached("ranks starting")
             while True:
                 self._collect_events(min(0.05, max(0.0, deadline - time.monotonic())))
                 for out in self.outputs:
@@ -56,27 +64,42 @@ class Call:
                 if time.monotonic() >= deadline:
                     raise self._timeout_error()
         finally:
-            self._stop_all()
-            for out in self.outputs:
-                out.pump(final=True)
+            with interrupts_deferred():
+                self._stop_all()
+                for out in self.outputs:
+                    out.pump(final=True)
+
+    def _wait_for_ready_server(self, deadline: float) -> None:
+        """A server still importing torch has not read its requests yet; sent now, they could not
+        be taken back if the call were interrupted, and it would fork ranks for a call that is
+        gone. So requests go to a ready server only, which forks them at once."""
+        while not self.server.ready:
+            if time.monotonic() >= deadline:
+                raise self._timeout_error()
+            self._collect_events(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _collect_events(self, timeout: float) -> None:
-        try:
-            events = self.server.events(timeout)
-        except EOFError:
-            raise RankError(
-                [RankFailure(r, "stopped") for r in range(self.spec.world_size)],
-                self.spec.world_size,
-                self.spec.backend,
-                intro="the rank server died unexpectedly",
-            ) from None
-        rank_of = {pid: rank for rank, pid in self.pids.items()}
-        for event in events:
-            if event["ev"] == "forked" and event["job"] == self.files.dir:
-                self.pids[event["rank"]] = event["pid"]
-                rank_of[event["pid"]] = event["rank"]
-            elif event["ev"] == "exit" and event["pid"] in rank_of:
-                self.exitcodes[rank_of[event["pid"]]] = event["code"]
+        """Wait up to ``timeout`` for the server's events, then record them. A Ctrl-C may end the
+        wait but not the recording: an event read and dropped would leave a rank whose pid the
+        call never learns, so it could not be killed."""
+        self.server.wait_for_events(timeout)
+        with interrupts_deferred():
+            try:
+                events = self.server.events(0.0)
+            except EOFError:
+                raise RankError(
+                    [RankFailure(r, "stopped") for r in range(self.spec.world_size)],
+                    self.spec.world_size,
+                    self.spec.backend,
+                    intro="the rank server died unexpectedly",
+                ) from None
+            rank_of = {pid: rank for rank, pid in self.pids.items()}
+            for event in events:
+                if event["ev"] == "forked" and event["job"] == self.files.dir:
+                    self.pids[event["rank"]] = event["pid"]
+                    rank_of[event["pid"]] = event["rank"]
+                elif event["ev"] == "exit" and event["pid"] in rank_of:
+                    self.exitcodes[rank_of[event["pid"]]] = event["code"]
 
     def _returned(self, rank: int, exitcode: int) -> bool:
         return exitcode == 0 and os.path.exists(self.files.result(rank))
@@ -170,12 +193,17 @@ class Call:
 
     def _stop_all(self) -> None:
         """Kill every rank that has not exited, then wait (bounded) until the server has reaped
-        them, so the caller never returns with live ranks."""
-        for rank, pid in self.pids.items():
-            if rank not in self.exitcodes:
-                kill_process_group(pid, signal.SIGKILL)
+        them, so the caller never returns with live ranks. A rank requested but not reported
+        forked yet is waited for too: the server is ready, so it forks it within moments."""
+        killed: set[int] = set()
         give_up = time.monotonic() + REAP_GRACE_S
-        while len(self.exitcodes) < len(self.pids) and time.monotonic() < give_up:
+        while True:
+            for rank, pid in self.pids.items():
+                if rank not in self.exitcodes and rank not in killed:
+                    kill_process_group(pid, signal.SIGKILL)
+                    killed.add(rank)
+            if len(self.exitcodes) == self.requested or time.monotonic() >= give_up:
+                break
             try:
                 self._collect_events(0.05)
             except RankError:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import ddpcourse
+from ddpcourse.launcher._interrupts import interrupts_deferred, reached
 
 
 class RankServer:
@@ -48,6 +49,11 @@ class RankServer:
         request = json.dumps({"op": "fork", "job": job_dir, "rank": rank}) + "\n"
         self.process.stdin.write(request.encode())
         self.process.stdin.flush()
+
+    def wait_for_events(self, timeout: float) -> None:
+        """Return once events can be read without waiting, or after ``timeout`` seconds."""
+        if not self._backlog:
+            select.select([self.process.stdout.fileno()], [], [], max(0.0, timeout))
 
     def events(self, timeout: float) -> list[dict]:
         """Events that arrived within ``timeout`` seconds (all that are already there, or wait for
@@ -106,16 +112,28 @@ class ServerPool:
         self.kinds = ("fast", "warm")
 
     def start(self) -> None:
+        """Start the servers that are missing. A Ctrl-C meanwhile waits until each server
+        started is recorded here (milliseconds), so none is left running untracked."""
+        with interrupts_deferred():
+            started = self._start_missing()
+        if started:
+            reached("rank servers starting")
+
+    def _start_missing(self) -> bool:
         if any(s is not None and s.owner_pid != os.getpid() for s in (self.fast, self.warm)):
             # We are a forked copy of the process that started them: they are not ours to use.
             self.fast = self.warm = None
+        started = False
         if "warm" not in self.kinds:
             if self.fast is None or not self.fast.alive:
                 self.fast = RankServer(warm=False)
+                started = True
         elif self.warm is None or not self.warm.alive:
             self.warm = RankServer(warm=True)
+            started = True
             if "fast" in self.kinds and (self.fast is None or not self.fast.alive):
                 self.fast = RankServer(warm=False)
+        return started
 
     def get(self) -> RankServer:
         self.start()

@@ -1,0 +1,73 @@
+"""Ctrl-C during a ``run_ranks`` call: never lost, never leaving a process half-registered.
+
+A Ctrl-C reaches Python as SIGINT, whose default handler raises ``KeyboardInterrupt`` in the main
+thread wherever it happens to be. Jupyter's stop button and nbgrader's cell timeout send it too.
+Two places of a call must not take it there:
+
+* ``import torch``, which the launcher does lazily on a process's first call (so that importing
+  ``ddpcourse`` stays light). torch's C extension imports numpy while it initialises and, if that
+  import raises, clears the error and carries on without numpy (``is_numpy_available`` in
+  ``torch/csrc/utils/tensor_numpy.cpp``): a ``KeyboardInterrupt`` raised there vanishes, the
+  import "succeeds", and the call runs to its deadline (``tests/test_launcher_interrupts.py``
+  shows it).
+* starting a rank server and stopping the ranks: interrupted halfway, they would leave a process
+  nobody tracks.
+
+:func:`interrupts_deferred` holds a SIGINT that arrives inside such a block and delivers it to the
+caller's own handler when the block ends. :func:`set_phase_hook` lets a test act at the named
+moments of a call (:data:`PHASES`), so each can be interrupted on purpose rather than by luck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Callable, Iterator
+
+PHASES = ("call started", "rank servers starting", "ranks starting")
+_phase_hook: Callable[[str], None] | None = None
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Run the block with SIGINT held back; a SIGINT that came meanwhile is raised at its end.
+
+    Only the main thread runs Python's signal handlers, and only it may replace one: elsewhere
+    (and under a handler installed from C, which Python cannot put back) the block runs as is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    callers_handler = signal.getsignal(signal.SIGINT)
+    if callers_handler is None:
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, callers_handler)
+        if held:
+            signal.raise_signal(signal.SIGINT)  # the caller's handler: KeyboardInterrupt by default
+
+
+def set_phase_hook(hook: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """Call ``hook(phase)`` as each later call reaches each of :data:`PHASES`; return the
+    previous hook. For tests: ``hook`` may raise (or send a SIGINT) to interrupt the call there.
+
+    * ``"call started"``: arguments checked, nothing imported or started yet;
+    * ``"rank servers starting"``: this call has just started rank servers (the first call of a
+      process, or after a server died); they are still importing torch;
+    * ``"ranks starting"``: the ranks have been requested from a ready rank server and may not
+      exist yet.
+    """
+    global _phase_hook
+    previous, _phase_hook = _phase_hook, hook
+    return previous
+
+
+def reached(phase: str) -> None:
+    if _phase_hook is not None:
+        _phase_hook(phase)
