@@ -188,9 +188,11 @@ def _check_shards(parts: list[GradingOutput]) -> None:
                 raise MergeError(f"{seen[part.shard.index]} and {part.path} are both shard "
                                  f"{part.shard}")
             seen[part.shard.index] = part.path
-            if part.students != part.shard.select(first.whole_class):
-                raise MergeError(f"{part.path} should hold shard {part.shard}'s students "
-                                 f"{part.shard.select(first.whole_class)}, not {part.students}")
+            expected = part.shard.select(first.whole_class)
+            if part.students != expected:
+                odd = sorted(set(expected) ^ set(part.students))
+                raise MergeError(f"{part.path} does not hold shard {part.shard}'s students of "
+                                 f"its class (missing or extra: {', '.join(odd[:10])})")
         missing = [f"{index}/{count}" for index in range(1, count + 1) if index not in seen]
         if missing:
             raise MergeError(f"shard {', '.join(missing)} of the run split {count} ways is "

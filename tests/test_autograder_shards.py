@@ -265,6 +265,9 @@ def test_merge_refuses_a_missing_doubled_or_foreign_shard(tmp_path, capsys):
                          whole_class=[*CLASS, "amy"])
     err = merge_refused(capsys, s1, s2, later, "--out", tmp_path / "out")
     assert "split different classes" in err and "amy" in err
+    short = write_output(tmp_path / "short", Shard(1, 3).select(CLASS)[1:], Shard(1, 3))
+    err = merge_refused(capsys, short, s2, s3, "--out", tmp_path / "out")
+    assert "does not hold shard 1/3's students" in err and Shard(1, 3).select(CLASS)[0] in err
 
 
 # --- the split ----------------------------------------------------------------------------------
