@@ -10,6 +10,7 @@ chapters/09_debugging/captured_logs/.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import cloudpickle
@@ -84,6 +85,26 @@ def test_the_logs_say_what_the_exercise_teaches():
     assert "[rank" not in checks.read_log("gpu_duplicate_set_device").body
 
 
+@pytest.mark.parametrize("log, script", [
+    *((name, "failing_job.py") for name in CPU_LOGS),
+    ("gpu_duplicate_no_set_device", "gpu_duplicate.py"),
+    ("gpu_duplicate_set_device", "gpu_duplicate.py"),
+])
+def test_the_scripts_beside_the_logs_still_have_the_lines_the_logs_quote(log, script):
+    """A script edited without capturing its logs again would make the lines asked wrong."""
+    source = (checks.LOGS_DIR / script).read_text().splitlines()
+    lines = [re.sub(r"^\[rank\d+\]: ?", "", line)
+             for line in checks.read_log(log).body.splitlines()]
+    quoted = [(int(found.group(2)), following.strip())
+              for line, following in zip(lines, lines[1:])
+              for found in [checks._FRAME.search(line)]
+              if found and found.group(1).endswith(("failing_job.py", "dup_gpu.py"))
+              and not checks._FRAME.search(following)]  # interleaved ranks: the next frame
+    assert quoted
+    for number, text in quoted:
+        assert source[number - 1].strip().startswith(text), (number, text)
+
+
 @pytest.mark.parametrize("exitcode, name", [(-9, "SIGKILL"), (-15, "SIGTERM"), (-6, "SIGABRT")])
 def test_torchrun_names_a_negative_exit_code_by_its_signal(exitcode, name):
     """ProcessFailure.signal_name (torch/distributed/elastic/multiprocessing/errors/__init__.py):
@@ -153,7 +174,7 @@ TEMPTING = [
     ("child_failed", "failing_rank", 0, None),  # the summary's other entry
     ("child_failed", "line", 69, 37),  # an outer frame of failing_job.py
     ("with_record", "line", 367, 37),  # torch's @record wrapper, not the script
-    ("timeout", "rank1_line", 81, 56),
+    ("timeout", "rank1_line", 82, 56),  # the outer frame, in train
     ("timeout", "rank1_collective", "barrier", "all_gather"),
     ("mismatch", "line", 82, 56),
     ("killed", "failing_rank", 0, None),  # the only traceback in the log is rank 0's
