@@ -15,7 +15,12 @@
   global_metrics (exact loss and accuracy of a whole data set), fix_the_loop (a DDP loop's three
   silent bugs: a head outside DDP, a summed loss, a rank's own loss logged),
   resumable_checkpoint (save on rank 0 atomically, load on every rank, resume bit for bit),
-  survive_a_killed_worker (a loop that resumes after torchrun restarts a killed worker).
+  survive_a_killed_worker (a loop that resumes after torchrun restarts a killed worker),
+  and chapter 09's labs, broken jobs to fix: ddp_errors (an unused head, a checkpoint through the
+  wrapper, reentrant checkpointing), collectives_that_hang (collectives one rank makes alone),
+  wrong_numbers (padded evaluation, set_epoch, no_sync), replicas_that_disagree (the rank from
+  the wrong variable, a module outside the wrapper, unbroadcast buffers), read_the_logs (real
+  captured logs, answered in a small structure).
   Hidden checks are grader-only, in ``autograder.hidden.<slug>``.
 * :mod:`ddpcourse.grading.forbidden` - run a student's function under a profile hook that sees
   whether a forbidden shortcut (the library function to be rebuilt) ran.
