@@ -54,7 +54,8 @@ from ddpcourse.launcher import RankError, run_ranks
 
 setup_notebook("collectives_that_hang")
 
-
+# %% nbgrader={"grade": false, "grade_id": "run-it", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Locked: how the "Run it" cells launch a lab's function.
 def run_it(fn, world_size=2, timeout=3):
     """Run ``fn(rank, world_size)`` on real gloo ranks; print what came back or what failed."""
     try:

@@ -28,9 +28,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import IterableDataset
 
-from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, cut_text,
-                                      judge_each_rank, observed, run_student, safe_text,
-                                      type_name)
+from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, RemoteFunction,
+                                      cut_text, judge_each_rank, observed, run_student,
+                                      safe_text, type_name)
+from ddpcourse.launcher import wait_until_ready
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 HANG_DEADLINE_S = min(CHECK_TIMEOUT_S, 8.0)  # a hang fails fast; start-up of warm ranks is ~0.1 s
@@ -55,6 +56,8 @@ def _run(case: Case, world_size: int, fn, situations, hint: str, timeout: float 
     ``HANG_DEADLINE_S``."""
     __tracebackhide__ = True  # noqa: F841
     timeout = HANG_DEADLINE_S if timeout is None else timeout
+    if not isinstance(fn, RemoteFunction):
+        wait_until_ready()  # the short deadline is for the student's code, not for start-up
     try:
         run_student(case, world_size, fn, situations, timeout=timeout,
                     hide_internals=hide_internals)
@@ -485,6 +488,9 @@ def judge_evaluate(observations, world_size, situations) -> None:
         def judge_rank(rank, call):
             state = _read_state(call, wants[rank], what)
             states.append(state)
+            if observed(call, "training", bool) is not True:
+                raise CheckFailed(f"{what}: the model handed in is left in eval mode; put it "
+                                  "back in train mode after evaluating")
             got, length = observed(call, "history", (list, type(None))), observed(
                 call, "returned_length", int)
             text = observed(call, "returned_text", str)
@@ -503,9 +509,6 @@ def judge_evaluate(observations, world_size, situations) -> None:
                             f"{value:.6g}, expected {expected:.6g} (the model in eval mode: "
                             "BatchNorm normalises with its running statistics, and an "
                             "evaluation never updates them)")
-            if observed(call, "training", bool) is not True:
-                raise CheckFailed(f"{what}: the model handed in is left in eval mode; put it "
-                                  "back in train mode after evaluating")
             _judge_state(state, wants[rank], what, "Training must be the ranks' DDP training, "
                          "untouched by the evaluation.", params)
             if rank == 0:  # the others' last buffers depend on where the evaluation ran
