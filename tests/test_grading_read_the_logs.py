@@ -33,7 +33,7 @@ CPU_LOGS = ("raise", "raise_record", "timeout", "mismatch_detail", "sigkill")
 # happened to notice first (the other rank may exit on its own or be stopped with SIGTERM).
 STABLE = {
     "child_failed": ("failing_rank", "line", "exception"),
-    "with_record": ("root_cause_rank", "line"),
+    # with_record: its root cause is picked by timestamps; see test_a_fresh_capture_shows_...
     "timeout": ("rank0_collective", "rank0_line", "rank1_collective", "rank1_line",
                 "timeout_ms"),
     "mismatch": ("collective", "line", "shape_rank0", "shape_rank1", "sequence_number"),
@@ -78,6 +78,8 @@ def test_the_logs_say_what_the_exercise_teaches():
     root = checks.root_cause(checks.summary(recorded))
     assert root.error_file.endswith("error.json")
     assert checks.exception_of(root.traceback) == "ValueError"
+    assert checks.root_cause(checks.summary(plain)).rank == \
+        checks.truth("child_failed")["failing_rank"]
     killed = checks.summary(checks.read_log("sigkill").body)
     assert {(f.exitcode, f.signal) for f in killed} == {(-9, "SIGKILL"), (-15, "SIGTERM")}
     gpu = checks.read_log("gpu_duplicate_no_set_device")
@@ -143,10 +145,13 @@ def test_a_fresh_capture_tells_the_same_facts(fresh_logs, lab):
 
 def test_a_fresh_capture_shows_what_record_adds(fresh_logs):
     plain = checks.summary(checks.read_log("raise", fresh_logs).body)
-    recorded = checks.root_cause(checks.summary(checks.read_log("raise_record", fresh_logs).body))
+    recorded = checks.summary(checks.read_log("raise_record", fresh_logs).body)
+    raised = checks.failure_of(recorded, checks.truth("with_record")["root_cause_rank"])
     assert all(f.error_file == "<N/A>" for f in plain)
-    assert recorded.error_file.endswith("error.json")
-    assert checks.exception_of(recorded.traceback) == "ValueError"
+    assert raised.error_file.endswith("error.json")
+    assert checks.exception_of(raised.traceback) == "ValueError"
+    assert checks.script_frames(raised.traceback, "failing_job.py")[-1] == \
+        checks.truth("with_record")["line"]
 
 
 # --- the checks --------------------------------------------------------------------------------

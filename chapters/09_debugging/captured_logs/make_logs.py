@@ -53,7 +53,7 @@ CAPTURES = {
 
 
 def torchrun() -> list[str]:
-    """torchrun beside this Python, as a user types it (else ``python -m torch.distributed.run``)."""
+    """torchrun beside this Python, as users type it (else python -m torch.distributed.run)."""
     found = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
 

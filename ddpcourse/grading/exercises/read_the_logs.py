@@ -202,11 +202,23 @@ def _innermost(lines: list[str], script: str) -> int | None:
     return frames[-1] if frames else None
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
+def own_error_ranks(tracebacks: dict[int, list[str]]) -> list[int]:
+    """The ranks whose traceback ends in an error of their own, not in gloo's report that a
+    peer went away (which every survivor of a failed rank raises)."""
+    return [rank for rank, lines in sorted(tracebacks.items())
+            if not any(lost in line for line in lines[-3:] for lost in _PEER_LOST)]
+
+
 def truth_child_failed(folder: Path = LOGS_DIR) -> dict:
     body = read_log("raise", folder).body
     failures, tracebacks = summary(body), rank_lines(body)
-    root = root_cause(failures)
-    failing = root.rank if root else None
+    # The rank with an error of its own; torchrun's Root Cause agrees in the committed log, but
+    # it is the first exit the agent saw, in whole seconds, and could be a survivor's.
+    own = own_error_ranks(tracebacks)
+    failing = own[0] if len(own) == 1 else None
     others = [f.exitcode for f in failures if f.rank != failing]
     lines = tracebacks.get(failing, [])
     return {"failing_rank": failing, "line": _innermost(lines, CPU_SCRIPT),
