@@ -250,10 +250,12 @@ def relayed():
 
 
 def test_through_the_broker_the_solution_passes_and_the_given_loop_is_counted(host, relayed):
+    """One rank (one sandbox host to start, not two): DDP's reducer all-reduces at any world
+    size, so the broker's count tells the loops apart there too."""
     s = checks.VISIBLE_ACCUMULATION[:1]
-    checks.run_accumulation(submitted(train_accumulated, host, relayed), 2, s)
+    checks.run_accumulation(submitted(train_accumulated, host, relayed), 1, s)
     with pytest.raises(CheckFailed, match=r"all-reduced the gradients 6 time\(s\)"):
-        checks.run_accumulation(submitted(given_train_accumulated, host, relayed), 2, s)
+        checks.run_accumulation(submitted(given_train_accumulated, host, relayed), 1, s)
 
 
 def test_the_judges_read_reports_as_untrusted_data():
@@ -274,3 +276,20 @@ def test_the_judges_read_reports_as_untrusted_data():
     situations = checks.VISIBLE_ACCURACY[:1]
     with pytest.raises(CheckFailed, match="calls instead of 1"):
         checks.judge_accuracy([{"calls": []}, {"calls": []}], 2, situations)
+
+
+def test_uneven_shares_under_ddp_hang_and_the_message_says_why():
+    """Shares of 4 and 3 samples in batches of 1: rank 0's fourth backward waits for a rank that
+    has finished. A short deadline here; the checks' own is DEADLINE_S."""
+    def strided(ddp_model, optimizer, dataset, epochs, batch_size, seed):
+        share = Subset(dataset, range(dist.get_rank(), len(dataset), dist.get_world_size()))
+        for _ in range(epochs):
+            for x, y in DataLoader(share, batch_size=batch_size, shuffle=True):
+                optimizer.zero_grad()
+                F.mse_loss(ddp_model(x), y).backward()
+                optimizer.step()
+
+    with pytest.raises(CheckFailed, match=r"rank 0: did not finish within 3 s(.|\n)*Hint: under "
+                                          r"DDP every backward is an all-reduce"):
+        checks.run_lab(checks.EPOCHS, "epochs", 2, strided, [checks.epochs_situation(7, 1, 2)],
+                       timeout=3)

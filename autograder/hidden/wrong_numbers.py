@@ -6,11 +6,9 @@ data), so it runs only in the trusted grader, with the communication counted by 
 
 from __future__ import annotations
 
-from ddpcourse.grading.checks import run_student
-from ddpcourse.grading.exercises.wrong_numbers import (ACCURACY, DEADLINE_S, EPOCHS,
-                                                       accumulation_situation,
+from ddpcourse.grading.exercises.wrong_numbers import (ACCURACY, EPOCHS, accumulation_situation,
                                                        accuracy_situation, epochs_situation,
-                                                       run_accumulation)
+                                                       run_accumulation, run_lab)
 
 ACCURACY_SITUATIONS = {  # world_size: [...]; sizes k * world_size - 1 and k * world_size + 1
     3: [accuracy_situation(8, 3, seed=2), accuracy_situation(10, 2, seed=3)],
@@ -29,15 +27,13 @@ ACCUMULATION_SITUATIONS = {
 def check_accuracy(accuracy) -> None:
     __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     for world_size, situations in ACCURACY_SITUATIONS.items():
-        run_student(ACCURACY, world_size, accuracy, situations, timeout=DEADLINE_S,
-                    hide_internals=True)
+        run_lab(ACCURACY, "accuracy", world_size, accuracy, situations, hide_internals=True)
 
 
 def check_train_epochs(train_epochs) -> None:
     __tracebackhide__ = True  # noqa: F841
     for world_size, situations in EPOCH_SITUATIONS.items():
-        run_student(EPOCHS, world_size, train_epochs, situations, timeout=DEADLINE_S,
-                    hide_internals=True)
+        run_lab(EPOCHS, "epochs", world_size, train_epochs, situations, hide_internals=True)
 
 
 def check_train_accumulated(train_accumulated) -> None:

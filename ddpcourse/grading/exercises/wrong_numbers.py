@@ -50,15 +50,16 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, audited_traffic, cut_text,
-                                      judge_each_rank, observed, run_student, safe_text,
-                                      type_name)
+from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, audited_traffic,
+                                      cut_text, judge_each_rank, observed, run_student,
+                                      safe_text, type_name)
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 AUDITED_CASES_BUILD_DDP = True  # the grader's one-rank hosts preload what DDP imports
@@ -76,6 +77,31 @@ _MIN_MARGIN = 1e-3  # between the top two logits of every evaluation sample (no 
 def rank_seed(seed: int, rank: int) -> int:
     """Every rank builds its model from a seed of its own: only DDP's broadcast makes them alike."""
     return 7919 * seed + 104729 * rank + 17
+
+
+HANG_HINTS = {
+    "accuracy": "every rank must call the same collectives, as often and in the same order: a "
+                "collective inside a loop over a share that is longer on some ranks, or under "
+                "`if rank == ...`, leaves the others waiting",
+    "epochs": "under DDP every backward is an all-reduce, so every rank must run as many "
+              "batches as every other: shares of uneven length (e.g. range(rank, n, world_size)) "
+              "leave a rank waiting in DDP's all-reduce. DistributedSampler pads the shares to "
+              "equal length for this reason",
+    "accumulated": "every rank must sync (run a forward and backward outside no_sync()) at the "
+                   "same micro-batches, and step as often as the others",
+}
+
+
+def run_lab(case: Case, lab: str, world_size: int, fn, situations, **kwargs) -> None:
+    """``run_student`` with ``DEADLINE_S``, and the lab's hint added to a hang."""
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
+    kwargs.setdefault("timeout", DEADLINE_S)
+    try:
+        run_student(case, world_size, fn, situations, **kwargs)
+    except CheckFailed as failed:
+        if "did not finish within" in str(failed):
+            raise CheckFailed(f"{failed}\nHint: {HANG_HINTS[lab]}") from None
+        raise
 
 
 def _seeded(seed: int, build):
@@ -631,9 +657,8 @@ def run_accumulation(train_accumulated, world_size: int, situations: list[dict],
                      **kwargs) -> None:
     """One case per situation: the communication the grader counts is the whole case's."""
     __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
-    kwargs.setdefault("timeout", DEADLINE_S)
     for s in situations:
-        run_student(ACCUMULATED, world_size, train_accumulated, s, **kwargs)
+        run_lab(ACCUMULATED, "accumulated", world_size, train_accumulated, s, **kwargs)
 
 
 # === what the notebook's "run it" cells show ======================================================
@@ -658,8 +683,6 @@ def watch_epochs(rank, world_size, train_epochs, samples=7, batch_size=2, epochs
 def watch_accumulation(rank, world_size, train_accumulated, micro=6, k=3, seed=0):
     """Optimizer steps, gradient all-reduces (in-rank audit) and how far the weights are from
     each other and from one process, for the notebook."""
-    import torch.distributed as dist
-
     s = accumulation_situation(micro, k, seed)
     call = observe_accumulated(rank, world_size, train_accumulated, s)
     _, reference = accumulated_reference(s, world_size)
@@ -684,12 +707,12 @@ VISIBLE_ACCUMULATION = [accumulation_situation(6, 3, seed=0), accumulation_situa
 
 def check_accuracy(accuracy) -> None:
     """2 ranks, 7 and 9 samples (DistributedSampler pads both): the exact accuracy."""
-    run_student(ACCURACY, 2, accuracy, VISIBLE_ACCURACY, timeout=DEADLINE_S)
+    run_lab(ACCURACY, "accuracy", 2, accuracy, VISIBLE_ACCURACY)
 
 
 def check_train_epochs(train_epochs) -> None:
     """2 ranks, 2-3 epochs: DistributedSampler's order of each epoch, one process's weights."""
-    run_student(EPOCHS, 2, train_epochs, VISIBLE_EPOCHS, timeout=DEADLINE_S)
+    run_lab(EPOCHS, "epochs", 2, train_epochs, VISIBLE_EPOCHS)
 
 
 def check_train_accumulated(train_accumulated) -> None:
