@@ -153,7 +153,7 @@ def test_only_the_hidden_checks_two_machines_show_a_local_rank_taken_for_the_ran
         checks.run_join(join_with_rank_as_local_rank, 4, [("torchrun", 2)])
 
 
-# --- lab 13: the temperature outside the wrapper ----------------------------------------------------
+# --- lab 13: the temperature outside the wrapper ------------------------------------------------
 
 
 def _temperature_loop(model, criterion, batches, lr, after_backward=None, after_step=None,
@@ -241,7 +241,7 @@ def test_other_right_temperature_fixes_pass_and_the_hidden_start_needs_syncing()
                     hidden.TRAINING_SITUATIONS[3])
 
 
-# --- lab 14: BatchNorm's running statistics ------------------------------------------------------
+# --- lab 14: BatchNorm's running statistics ------------------------------------------------
 
 
 def _batchnorm_loop(model, batches, lr, eval_x, broadcast_buffers=True, bypass=False,
@@ -257,6 +257,19 @@ def _batchnorm_loop(model, batches, lr, eval_x, broadcast_buffers=True, bypass=F
     ddp_model.eval()
     with torch.no_grad():
         return ddp_model.module(eval_x) if bypass else ddp_model(eval_x)
+
+
+def batchnorm_with_the_new_name_off(model, batches, lr, eval_x):
+    """torch 2.13's name for the same switch: buffers still synced once, at construction."""
+    ddp_model = DDP(model, forward_sync_buffers=False)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.cross_entropy(ddp_model(x), y).backward()
+        optimizer.step()
+    ddp_model.eval()
+    with torch.no_grad():
+        return ddp_model(eval_x)
 
 
 def batchnorm_evaluated_around_the_wrapper(model, batches, lr, eval_x):
@@ -295,11 +308,26 @@ def test_the_given_batchnorm_loop_fails_naming_broadcast_buffers():
     assert "broadcast_buffers=False" in text
 
 
+def test_torch_2_13_warns_that_broadcast_buffers_is_deprecated():
+    """The lab's claim: the old name still works and warns (FutureWarning)."""
+    def wrap(rank, world_size):
+        import warnings
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            DDP(nn.BatchNorm1d(2), broadcast_buffers=False)
+        return [str(w.message) for w in seen if w.category is FutureWarning]
+
+    for messages in run_ranks(wrap, 2, timeout=30, backend="gloo"):
+        assert any(m.startswith("`broadcast_buffers` is deprecated. Use `forward_sync_buffers`")
+                   for m in messages), messages
+
+
 @pytest.mark.parametrize("wrong, message", [
+    (batchnorm_with_the_new_name_off, "forward_sync_buffers=False"),
     (batchnorm_evaluated_around_the_wrapper, "the evaluation bypassed the wrapper"),
     (batchnorm_statistics_averaged_at_the_end, "they were averaged at the end"),
     (batchnorm_synced, "SyncBatchNorm layers only work with GPU modules"),
-], ids=["bypass", "averaged", "sync-batchnorm"])
+], ids=["forward-sync-off", "bypass", "averaged", "sync-batchnorm"])
 def test_the_batchnorm_check_catches_fixes_that_hide_the_symptom(wrong, message):
     with pytest.raises(CheckFailed) as failed:
         checks.check_train_and_evaluate(wrong)
@@ -325,7 +353,7 @@ def test_sync_batchnorm_refuses_the_cpu_in_training_even_without_ddp():
         assert message and message.startswith("SyncBatchNorm expected input tensor to be on GPU")
 
 
-# --- the judges ------------------------------------------------------------------------------------
+# --- the judges --------------------------------------------------------------------------------
 
 
 def test_the_replays_of_right_runs_are_the_references_and_the_mistakes_differ():

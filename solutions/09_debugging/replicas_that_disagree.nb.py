@@ -290,19 +290,23 @@ print("passed")
 #
 # BatchNorm keeps buffers, not parameters: `running_mean`, `running_var`, `num_batches_tracked`.
 # Training forwards update them from each rank's own batch, and evaluation normalises with them.
-# DDP's default, `broadcast_buffers=True`, copies rank 0's buffers to every rank at the start of
-# each forward through the wrapper (`DistributedDataParallel._pre_forward` calls
-# `_sync_buffers`, which broadcasts from rank 0). With `broadcast_buffers=False` the ranks'
-# statistics differ from the first step on, and the same weights evaluate differently on every
-# rank.
+# By default DDP copies rank 0's buffers to every rank at the start of each forward through the
+# wrapper (`DistributedDataParallel._pre_forward` calls `_sync_buffers`, which broadcasts from
+# rank 0). The switch is `forward_sync_buffers` in torch 2.13; its older name
+# `broadcast_buffers`, the one in the cell below, is deprecated there and warns (the
+# `FutureWarning` the cell prints; `broadcast_buffers=False` also skips the sync of the
+# buffers when the wrapper is built, `forward_sync_buffers=False` does not). Turned off, the
+# ranks' statistics differ from the first step on, and the same weights evaluate differently on
+# every rank.
 #
 # Two things that are easy to get wrong:
 #
-# * With `broadcast_buffers=True`, the buffers are broadcast **before** a forward, so after the
-#   last training step every rank still holds the statistics its own last batch updated. They
-#   agree again only after the next forward through the wrapper (the first evaluation forward
-#   through `ddp_model`, which broadcasts rank 0's): evaluating `ddp_model.module` (or the plain
-#   model) skips that, and the ranks disagree.
+# * Even with the sync on, the buffers are broadcast **before** a forward, so after the last
+#   training step every rank still holds the statistics its own last batch updated. They agree
+#   again only after the next forward through the wrapper (the first evaluation forward through
+#   `ddp_model`, which broadcasts rank 0's: `will_sync_module_buffers` is true after a forward
+#   with gradients): evaluating `ddp_model.module` (or the plain model) skips that, and the ranks
+#   disagree.
 # * `nn.SyncBatchNorm` (batch statistics over all ranks) does not run here: on the CPU, DDP's
 #   constructor refuses it with `ValueError: SyncBatchNorm layers only work with GPU modules`,
 #   and its forward in training raises `SyncBatchNorm expected input tensor to be on GPU or XPU
@@ -346,13 +350,16 @@ show_batchnorm(run_ranks(watch_batchnorm, 2, given_train_and_evaluate, timeout=6
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-batchnorm", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ### `train_and_evaluate(model, batches, lr, eval_x) -> Tensor` (3 points)
 #
+# Make every rank hold, and evaluate with, the running statistics DDP keeps by default.
+#
 # **How it is tested.** 2 ranks, 4 steps, each rank's model initialised from its own seed and its
 # own batches (drawn around a centre of its own, so each rank's statistics really differ). The
 # check replays the ranks in one process with DDP's rules (gradients averaged, each rank
 # normalising with its own batch in training, rank 0's running statistics) and requires, on every
 # rank, bit-identical parameters and buffers and the same evaluation output, all equal to the
 # replay's (within `1e-5 + 1e-5 * |w|`). Averaging the ranks' statistics at the end makes the
-# ranks agree, but on other numbers than DDP's: the message says so.
+# ranks agree, but on other numbers than DDP's: the message says so. (The sync of parameters and
+# buffers when DDP's constructor runs is on here, as it is by default.)
 
 # %% nbgrader={"grade": false, "grade_id": "train-and-evaluate", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def train_and_evaluate(model: nn.Module, batches: list, lr: float,
@@ -369,15 +376,15 @@ def train_and_evaluate(model: nn.Module, batches: list, lr: float,
 
     Afterwards, on every rank, `model` (the object handed in, trained in place) holds
     bit-identical parameters AND buffers: the running statistics are rank 0's, as DDP keeps them
-    with its default `broadcast_buffers=True` (rank 0's buffers are broadcast to every rank
-    before each forward through the wrapper).
+    by default (`forward_sync_buffers=True`, formerly `broadcast_buffers=True`: rank 0's buffers
+    are broadcast to every rank before each forward through the wrapper).
 
     Returns:
         The model's output on `eval_x` in evaluation mode (normalised with the running
         statistics), the same tensor on every rank.
     """
     ### BEGIN SOLUTION
-    ddp_model = DDP(model)  # broadcast_buffers=True, the default
+    ddp_model = DDP(model)  # forward_sync_buffers=True, the default
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
     for x, y in batches:
         optimizer.zero_grad()

@@ -19,7 +19,8 @@ reference itself and compares.
 * ``TEMPERATURE`` (lab 13, a learnable temperature outside the DDP wrapper): the model and the
   temperature must end bit-identical on every rank and equal to ONE process training rank 0's
   initial model and temperature on the global batch (all ranks' batches of a step).
-* ``BATCHNORM`` (lab 14, ``broadcast_buffers=False`` with BatchNorm): parameters, running
+* ``BATCHNORM`` (lab 14, ``broadcast_buffers=False`` with BatchNorm; torch 2.13 names it
+  ``forward_sync_buffers``): parameters, running
   statistics and the evaluation output must be identical on every rank and equal to what DDP's
   default semantics give: the gradient averaged over the ranks, the running statistics rank 0's
   (DDP broadcasts rank 0's buffers before each forward through the wrapper). The judge replays
@@ -440,7 +441,7 @@ def replay_batchnorm(s: Situation, world_size: int, buffers: str) -> list[dict]:
 
     * ``"rank 0"``: rank 0's, broadcast before every forward through the wrapper, the last time
       before the evaluation (DDP's default): the reference;
-    * ``"own"``: each rank's own (``broadcast_buffers=False``);
+    * ``"own"``: each rank's own (``broadcast_buffers=False``, ``forward_sync_buffers=False``);
     * ``"own last step"``: rank 0's broadcast before each training forward, then each rank's
       last forward updated its own, and the evaluation bypassed the wrapper;
     * ``"averaged"``: each rank's own, then the mean over the ranks."""
@@ -485,14 +486,15 @@ def _load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
 
 
 BATCHNORM_MISTAKES = {
-    "own": "every rank keeps its own running statistics (broadcast_buffers=False): each rank's "
-           "BatchNorm has averaged its own batches, so evaluation differs per rank",
+    "own": "every rank keeps its own running statistics (broadcast_buffers=False, or "
+           "forward_sync_buffers=False): each rank's BatchNorm has averaged its own batches, so "
+           "evaluation differs per rank",
     "own last step": "the running statistics were broadcast before each training step, but the "
                      "last step's forward updated each rank's own, and the evaluation bypassed "
                      "the wrapper (model or ddp.module), which would have broadcast rank 0's",
     "averaged": "each rank kept its own running statistics and they were averaged at the end: "
-                "the ranks agree, but DDP keeps rank 0's (broadcast_buffers=True), and that is "
-                "the contract",
+                "the ranks agree, but DDP keeps rank 0's (forward_sync_buffers=True, the "
+                "default), and that is the contract",
 }
 
 
