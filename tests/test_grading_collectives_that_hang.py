@@ -22,7 +22,7 @@ from autograder.hidden import collectives_that_hang as hidden
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import collectives_that_hang as checks
-from ddpcourse.launcher import RankTimeoutError, run_ranks
+from ddpcourse.launcher import RankError, RankTimeoutError, run_ranks
 from trusted_path import altered, submitted
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
@@ -99,10 +99,21 @@ def test_the_given_hangs_with_the_rank_blocked_where_the_lab_says(lab, blocked):
 
 
 def test_the_given_gather_aborts_the_smaller_rank_in_gloo(capfd):
+    """And, as the lab says too, output tensors of another size than the input raise a plain
+    RuntimeError instead."""
     with pytest.raises(CheckFailed, match=r"rank 1: was killed by SIGABRT") as failed:
         checks.check_gather_predictions(given(4), timeout=SHORT)
     assert checks.HINTS["gather"] in str(failed.value)
     assert GLOO_ABORT in capfd.readouterr().out
+
+    def outputs_of_the_largest_size(rank, world_size):
+        local = torch.zeros(4 - rank)
+        dist.all_gather([torch.zeros(4) for _ in range(world_size)], local)
+
+    with pytest.raises(RankError, match=r"ProcessGroupGloo::allgather: invalid tensor size at "
+                                        r"index 0 \(expected \(3\), got \(4\)\)"):
+        run_ranks(outputs_of_the_largest_size, 2, timeout=SHORT, backend="gloo",
+                  relay_output=False)
 
 
 # --- wrong fixes and other right fixes ------------------------------------------------------------

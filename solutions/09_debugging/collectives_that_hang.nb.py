@@ -81,7 +81,8 @@ def run_it(fn, world_size=2, timeout=3):
 #   code -6: `Received data size doesn't match expected size. Is there a distributed collective
 #   mismatch in your code?` (`gloo/transport/tcp/pair.cc`). No Python exception: no `try` can
 #   catch it. Run (b).
-# * a collective **of the same size**: nothing fails; both get a sum of unrelated numbers.
+# * a collective **of the same size**: nothing fails, and each side gets the other's data for its
+#   own purpose (lab 2 shows such a silent pairing).
 #
 # The rule: every rank makes the same collectives in the same order; only what is done with the
 # result (printing, writing) may depend on the rank.
@@ -174,8 +175,9 @@ print("passed")
 # broadcasts the buffers from rank 0 before running the module
 # (`DistributedDataParallel._pre_forward` → `_sync_buffers`, torch/nn/parallel/distributed.py),
 # whenever `require_forward_param_sync` is set: at the first forward and after every forward
-# that ran with gradients enabled (`_post_forward` sets it from `torch.is_grad_enabled()`). It
-# does not look at `train()` / `eval()` at all: eval mode does not stop the broadcast. A model
+# that ran with gradients enabled outside `no_sync()` (`_post_forward` sets it to
+# `torch.is_grad_enabled() and self.require_backward_grad_sync`). It does not look at `train()` /
+# `eval()` at all: eval mode does not stop the broadcast. A model
 # without buffers would make no collective in a `no_grad` forward, which is why this bug hides
 # in some models and not in others.
 #
@@ -294,7 +296,8 @@ print("passed")
 # Why not `torch.distributed.algorithms.Join`? `with Join([ddp_model]):` also ends the hang:
 # a rank that ran out "shadows" the others' all-reduces with zeros, and the longer shards are
 # trained on to their end. But those extra steps average fewer real gradients, still divided by
-# the full world size (`divide_by_initial_world_size=True`), so the weights are not those of the
+# the full world size (`divide_by_initial_world_size=True`, the default of
+# `DistributedDataParallel.join`), so the weights are not those of the
 # contract below, and the tests reject it: they ask for the dropped-batches training, which is
 # the same math as every earlier step. Use Join when every sample must be seen and you accept
 # those smaller last steps.
