@@ -25,7 +25,7 @@ from autograder.hidden import replicas_that_disagree as hidden
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import replicas_that_disagree as checks
-from ddpcourse.launcher import run_ranks
+from ddpcourse.launcher import run_bounded, run_ranks
 from trusted_path import altered, submitted
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
@@ -123,6 +123,34 @@ def test_the_given_join_fails_under_torchrun_and_guesses_without_a_launcher():
     assert "expected RuntimeError" in verdicts["none"]
     assert "joined a group as rank 0 of 1" in verdicts["none"]
     assert not [name for name in os.listdir(tempfile.gettempdir()) if token in name]
+
+
+TORCHRUN_JOB = """
+import os
+from datetime import timedelta
+import torch.distributed as dist
+
+{given}
+
+try:
+    given_join_the_job("env://", timedelta(seconds=1))
+except Exception as exc:
+    print(f"RANK {{os.environ['RANK']}}: {{type(exc).__name__}}: {{exc}}", flush=True)
+    raise
+"""
+
+
+def test_under_real_torchrun_the_given_join_fails_in_the_agents_store(tmp_path, no_orphans):
+    """The lab's text on torchrun's own store: both processes claim rank 0 of 2 and each waits
+    for rank 1's key until the timeout."""
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_JOB.format(given=solution_code(SOURCE, "given-join")))
+    done = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", str(script)], timeout=120)
+    assert not done.timed_out and done.returncode != 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert (f"RANK {rank}: DistStoreError: wait timeout after 1000ms, keys: "
+                "/default_pg/0//cpu//0/1") in done.stdout, done.stdout + done.stderr[-3000:]
 
 
 def test_a_world_size_read_the_same_way_makes_every_process_a_job_of_its_own():

@@ -30,7 +30,7 @@
 # symptom, then write the fixed function. Its docstring is the contract.
 #
 # **How it is tested.** Every check runs your function in real gloo process groups (2 processes
-# here; 3 and 4 in the hidden tests), with a deadline. Lab 1 starts the processes with no
+# here; 1, 3 and 4 in the hidden tests), with a deadline. Lab 1 starts the processes with no
 # process group and the variables of a launcher: torchrun's, srun's, torchrun started by srun,
 # or none. Labs 2 and 3 train for a few steps, every rank starting from weights and data of its
 # own, and the check requires **everything that learns (and every buffer) to be identical on all
@@ -77,12 +77,13 @@ setup_notebook("replicas_that_disagree")
 # Two processes that both claim rank 0 of 2 cannot form a group: each writes its address as rank
 # 0's and waits for rank 1's, which nobody writes. With the default timeout (30 minutes for
 # gloo) the job just hangs; with a short one every rank fails with the store's timeout: the
-# `file://` store below says `RuntimeError: Wait timeout`, torchrun's TCP store
-# `DistStoreError: wait timeout after 4000ms, keys: /default_pg/0//cpu//0/1` (the key of the
-# rank that never came). Worse is when the world size is read the same way
-# (`SLURM_NTASKS` with a default of 1): then every process forms a group **of its own**, as rank
-# 0 of 1, nothing fails, every all-reduce returns the process's own value, and N processes train
-# N separate models, all logging and saving as rank 0.
+# `file://` store below says `RuntimeError: Wait timeout`; under `torchrun` (its agent's TCP
+# store, `env://`) every process says `DistStoreError: wait timeout after 1000ms, keys:
+# /default_pg/0//cpu//0/1` for a one-second timeout: the key of rank 1, who never came. Worse
+# is when the world size is read the same way (`SLURM_NTASKS` with a default of 1): then every
+# process forms a group **of its own**, as rank 0 of 1, nothing fails, every all-reduce returns
+# the process's own value, and N processes train N separate models, all logging and saving as
+# rank 0.
 
 # %% nbgrader={"grade": false, "grade_id": "given-join", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the job's setup as it was found. Do not fix it here; write `join_the_job` below.
