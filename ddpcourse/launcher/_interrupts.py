@@ -6,10 +6,10 @@ Two places of a call must not take it there:
 
 * ``import torch``, which the launcher does lazily on a process's first call (so that importing
   ``ddpcourse`` stays light). torch's C extension imports numpy while it initialises and, if that
-  import raises, clears the error and carries on without numpy (``is_numpy_available`` in
+  import raises, clears the error and carries on (``validate_numpy_for_dlpack_deleter_bug`` in
   ``torch/csrc/utils/tensor_numpy.cpp``): a ``KeyboardInterrupt`` raised there vanishes, the
   import "succeeds", and the call runs to its deadline (``tests/test_launcher_interrupts.py``
-  shows it).
+  shows both).
 * starting a rank server and stopping the ranks: interrupted halfway, they would leave a process
   nobody tracks.
 
