@@ -171,8 +171,9 @@ print("passed")
 #
 # After each epoch rank 0 alone computes a validation loss, in eval mode and under
 # `torch.no_grad()`, by calling the DDP wrapper. The model has a BatchNorm layer, and its
-# running statistics are **buffers**. With `broadcast_buffers=True` (the default) DDP's forward
-# broadcasts the buffers from rank 0 before running the module
+# running statistics are **buffers**. With `forward_sync_buffers=True` (the default; torch 2.13's
+# name for the deprecated `broadcast_buffers`) DDP's forward broadcasts the buffers from rank 0
+# before running the module
 # (`DistributedDataParallel._pre_forward` → `_sync_buffers`, torch/nn/parallel/distributed.py),
 # whenever `require_forward_param_sync` is set: at the first forward and after every forward
 # that ran with gradients enabled outside `no_sync()` (`_post_forward` sets it to
