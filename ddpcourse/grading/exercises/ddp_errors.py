@@ -20,7 +20,9 @@ a rank reports only data, and the judge computes its own one-process reference.
   own pickling (``torch.save`` to a path opens the file in C++, unseen by the hook). Rank 0's
   value holds its pickling until the other ranks' calls returned, so a save without a barrier is
   caught every time. The file must load into the plain model, and the resumed run must end with
-  the uninterrupted run's weights (bit for bit on one or two ranks).
+  the uninterrupted run's weights (bit for bit on one or two ranks). Not seen: a rank other than
+  0 that writes only the model's weights with ``torch.save`` to a path (no Python file event, no
+  optimizer state pickled); a save without the optimizer fails on rank 0 anyway.
 * ``CHECKPOINTED`` (lab 11, reentrant activation checkpointing): ``train_tower`` trains a
   :class:`Tower` whose block is checkpointed; the block counts its forwards, which must run
   again in the backward (checkpointing kept), and the weights must be one process's.
@@ -73,11 +75,20 @@ def _no_exception(observation: Any, what: str, key: str = "raised") -> None:
                 "a parameter outside the loss.")
     elif "marked as ready twice" in message or "mark a variable ready only once" in message:
         hint = ("\nA parameter's gradient hook fired twice in one backward: reentrant "
-                "checkpointing runs a backward of its own, which DDP's bookkeeping does not expect.")
+                "checkpointing runs a backward of its own, which DDP's bookkeeping does not "
+                "expect.")
     elif "module." in message and ("Missing key" in message or "Unexpected key" in message):
         hint = "\nThe keys carry DDP's 'module.' prefix: a plain model has none."
     raise CheckFailed(f"{what}: {key.replace('_', ' ')}: {cut_text(kind, 80)}: "
-                      f"{cut_text(message, _MAX_TEXT)}{hint}")
+                      f"{error_text(message)}{hint}")
+
+
+def error_text(message: str) -> str:
+    """A long error's beginning and its last line, where DDP names the parameter."""
+    if len(message) <= _MAX_TEXT:
+        return message
+    last = message.strip().splitlines()[-1]
+    return f"{cut_text(message, 250)}\n... {cut_text(last, 250)}"
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -113,8 +124,11 @@ def _judge_replicas(observations, key: str, what: str) -> None:
         mine = observed(observation, key, dict)
         for name, tensor in first.items():
             other = mine.get(name)
+            if not isinstance(tensor, torch.Tensor):
+                raise CheckFailed(f"{what}: rank 0's report of {cut_text(name, 80)!r} is not a "
+                                  "tensor")
             if not isinstance(other, torch.Tensor) or other.shape != tensor.shape or \
-                    not torch.equal(other, tensor):
+                    other.dtype != tensor.dtype or not torch.equal(other, tensor):
                 raise CheckFailed(f"{what}: rank {rank}'s {name!r} differs from rank 0's: the "
                                   "replicas are no longer identical")
 
@@ -149,7 +163,7 @@ def unused_setting(seed: int = 0, steps: int = 4, rows: int = 4, aux_steps: tupl
 
 
 def aux_batches(s: dict, rank: int) -> list:
-    """Rank ``rank``'s ``(x, y, aux_y)`` of every step; ``aux_y`` is None where the step has none."""
+    """Rank ``rank``'s ``(x, y, aux_y)`` of every step; ``aux_y`` None where it has none."""
     generator = torch.Generator().manual_seed(1_000_003 * s["seed"] + rank)
     batches = []
     for step in range(s["steps"]):

@@ -1,0 +1,394 @@
+"""The checks of exercise ddp_errors (chapter 09: DDP's own errors) pass the reference solution,
+visible and hidden, through the trusted grader (the ranks' traffic counted by its broker); each
+broken function of the notebook's locked `given-*` cells still fails the way the lab's text says
+on this torch (so a PyTorch that changes the failure turns CI red); and the tempting wrong fixes
+fail the check they should. The exercise: solutions/09_debugging/ddp_errors.nb.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from autograder import trusted
+from autograder.hidden import ddp_errors as hidden
+from autograder.relayed import RelayedRanks
+from autograder.sources import SOLUTIONS, solution_code
+from ddpcourse.grading.checks import CheckFailed, audited_traffic, run_student
+from ddpcourse.grading.exercises import ddp_errors as checks
+from ddpcourse.launcher import run_ranks
+from trusted_path import altered, submitted
+
+pytestmark = pytest.mark.usefixtures("integrity_snapshot")
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SOURCE = SOLUTIONS / "09_debugging" / "ddp_errors.ipynb"
+FINISHED_REDUCTION = ("Expected to have finished reduction in the prior iteration before "
+                      "starting a new one")
+READY_TWICE = "has been marked as ready twice"
+
+
+def from_the_notebook(cell_id: str, *names: str):
+    """Functions as the source notebook's cell ``cell_id`` defines them."""
+    namespace = {"torch": torch, "dist": dist, "nn": nn, "F": F, "DDP": DDP}
+    exec(compile(solution_code(SOURCE, cell_id), "<student notebook>", "exec"), namespace)
+    return tuple(namespace[name] for name in names)
+
+
+(GIVEN_AUX,) = from_the_notebook("given-unused-head", "given_train_with_aux")
+GIVEN_SAVE, GIVEN_RESUME = from_the_notebook("given-checkpoint", "given_save_checkpoint",
+                                             "given_resume")
+(GIVEN_TOWER,) = from_the_notebook("given-reentrant", "given_train_tower")
+(SOLUTION_AUX,) = from_the_notebook("train_with_aux", "train_with_aux")
+(SOLUTION_SAVE,) = from_the_notebook("save_checkpoint", "save_checkpoint")
+(SOLUTION_RESUME,) = from_the_notebook("resume", "resume")
+(SOLUTION_TOWER,) = from_the_notebook("train_tower", "train_tower")
+
+
+# --- lab 1: fixes, right and wrong -----------------------------------------------------------
+
+
+def _aux_loop(model, batches, lr, ddp_kwargs=None, aux_always=False):
+    ddp_model = DDP(model, **(ddp_kwargs or {}))
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for x, y, aux_y in batches:
+        out, aux = ddp_model(x, with_aux=aux_always or aux_y is not None)
+        loss = F.cross_entropy(out, y)
+        if aux_y is not None:
+            loss = loss + F.cross_entropy(aux, aux_y)
+        elif aux_always:
+            loss = loss + 0 * aux.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def aux_times_zero(model, batches, lr):
+    _aux_loop(model, batches, lr, aux_always=True)
+
+
+def aux_find_unused(model, batches, lr):
+    _aux_loop(model, batches, lr, {"find_unused_parameters": True})
+
+
+def aux_find_unused_and_frozen(model, batches, lr):
+    model.aux.requires_grad_(False)
+    _aux_loop(model, batches, lr, {"find_unused_parameters": True})
+
+
+def aux_static_graph(model, batches, lr):
+    _aux_loop(model, batches, lr, {"static_graph": True})
+
+
+def aux_frozen(model, batches, lr):
+    model.aux.requires_grad_(False)
+    _aux_loop(model, batches, lr)
+
+
+def aux_left_out_of_the_wrapper(model, batches, lr):
+    """The fix "remove it from the model", when the grader owns the model: DDP wraps only the
+    parts the loss uses."""
+    used = DDP(nn.Sequential(model.backbone, nn.Tanh(), model.head))
+    optimizer = torch.optim.SGD(used.parameters(), lr=lr)
+    for x, y, _ in batches:
+        loss = F.cross_entropy(used(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+# --- lab 10 -----------------------------------------------------------------------------------
+
+
+def save_on_every_rank(ddp_model, optimizer, path):
+    torch.save({"model": ddp_model.module.state_dict(), "optimizer": optimizer.state_dict()},
+               path)
+    dist.barrier()
+
+
+def save_a_file_per_rank(ddp_model, optimizer, path):
+    torch.save({"model": ddp_model.module.state_dict(), "optimizer": optimizer.state_dict()},
+               f"{path}.{dist.get_rank()}")
+    dist.barrier()
+
+
+def resume_own_file(model, optimizer, path):
+    SOLUTION_RESUME(model, optimizer, f"{path}.{dist.get_rank()}")
+
+
+def save_without_barrier(ddp_model, optimizer, path):
+    if dist.get_rank() == 0:
+        torch.save({"model": ddp_model.module.state_dict(),
+                    "optimizer": optimizer.state_dict()}, path)
+
+
+def save_the_wrapper(ddp_model, optimizer, path):
+    if dist.get_rank() == 0:
+        torch.save({"model": ddp_model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    dist.barrier()
+
+
+def resume_the_model_only(model, optimizer, path):
+    model.load_state_dict(torch.load(path, weights_only=True)["model"])
+
+
+# --- lab 11 -----------------------------------------------------------------------------------
+
+
+def _tower_loop(model, batches, lr, reentrant=True, ddp_kwargs=None, checkpointing=True):
+    if checkpointing:
+        model.enable_checkpointing(use_reentrant=reentrant)
+    ddp_model = DDP(model, **(ddp_kwargs or {}))
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
+    for x, y in batches:
+        loss = F.cross_entropy(ddp_model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def tower_static_graph(model, batches, lr):
+    _tower_loop(model, batches, lr, ddp_kwargs={"static_graph": True})
+
+
+def tower_without_find_unused(model, batches, lr):
+    _tower_loop(model, batches, lr)
+
+
+def tower_pooler_frozen(model, batches, lr):
+    model.pooler.requires_grad_(False)
+    _tower_loop(model, batches, lr)
+
+
+def tower_not_checkpointed(model, batches, lr):
+    _tower_loop(model, batches, lr, ddp_kwargs={"find_unused_parameters": True},
+                checkpointing=False)
+
+
+# --- the given code fails the way the labs say ------------------------------------------------
+
+
+def _unused_facts(rank, world_size, train_with_aux, aux_steps):
+    s = checks.unused_setting(seed=1, steps=4, aux_steps=aux_steps)
+    model = checks.make_two_heads(seed=rank)
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with audited_traffic() as traffic:
+        try:
+            train_with_aux(model, checks.aux_batches(s, rank), s["lr"])
+            error = None
+        except RuntimeError as exc:
+            error = str(exc)
+    all_reduces = [c for c in traffic["collective_calls"] if c[0] == "all_reduce"]
+    return {"iteration": len(forwards) + 1, "all_reduces": len(all_reduces), "error": error,
+            "backbone": model.backbone.weight.detach().clone()}
+
+
+def test_lab_1_given_raises_at_the_second_iteration_after_a_step_without_all_reduce():
+    never, step_one_only = (run_ranks(_unused_facts, 2, GIVEN_AUX, aux_steps, timeout=60)
+                            for aux_steps in ((), (0,)))
+    for seen in never:
+        assert FINISHED_REDUCTION in seen["error"]
+        assert "Parameter indices which did not receive grad for rank" in seen["error"]
+        assert seen["error"].split("did not receive grad for rank")[1].split(":")[1] \
+            .split()[:2] == ["4", "5"]
+        assert seen["iteration"] == 2 and seen["all_reduces"] == 0
+    assert not torch.equal(never[0]["backbone"], never[1]["backbone"])  # step 1 was local
+    for seen in step_one_only:  # used on step 1, skipped on step 2: the third iteration raises
+        assert FINISHED_REDUCTION in seen["error"] and seen["iteration"] == 3
+    with pytest.raises(CheckFailed, match=FINISHED_REDUCTION):
+        checks.check_aux_head_never_used(GIVEN_AUX)
+
+
+def _checkpoint_facts(rank, world_size, folder):
+    path = os.path.join(folder, "checkpoint.pt")
+    ddp_model = DDP(checks.make_net(0))
+    optimizer = checks.make_optimizer("adam", ddp_model)
+    checks.grader_steps(ddp_model, optimizer, 0, range(3), rank)
+    GIVEN_SAVE(ddp_model, optimizer, path)
+    dist.barrier()
+    try:
+        GIVEN_RESUME(checks.make_net(1), checks.make_optimizer("adam", ddp_model), path)
+        plain = None
+    except RuntimeError as exc:
+        plain = str(exc)
+    resumed = DDP(checks.make_net(1))
+    resumed.load_state_dict(torch.load(path))
+    fresh_adam = checks.make_optimizer("adam", resumed)
+    checks.grader_steps(resumed, fresh_adam, 0, range(3, 6), rank)
+    checks.grader_steps(ddp_model, optimizer, 0, range(3, 6), rank)
+    return plain, max((a - b).abs().max().item()
+                      for a, b in zip(resumed.parameters(), ddp_model.parameters()))
+
+
+def test_lab_10_given_fails_on_the_prefix_and_resumes_elsewhere_through_the_wrapper():
+    with tempfile.TemporaryDirectory() as folder:
+        plain, gap = run_ranks(_checkpoint_facts, 2, folder, timeout=60)[0]
+    assert plain.startswith("Error(s) in loading state_dict for Net")
+    assert "Missing key(s) in state_dict" in plain and \
+        'Unexpected key(s) in state_dict: "module.inp.weight"' in plain
+    assert gap > 1e-3  # a fresh Adam: the resumed weights part from the uninterrupted ones
+    with pytest.raises(CheckFailed, match="rank 0 did not save its optimizer's state"):
+        checks.check_resume(GIVEN_SAVE, GIVEN_RESUME)
+
+
+def test_lab_11_given_raises_marked_ready_twice_on_the_first_backward():
+    with pytest.raises(CheckFailed) as failed:
+        checks.check_checkpointed_tower(GIVEN_TOWER)
+    text = str(failed.value)
+    assert "Expected to mark a variable ready only once" in text
+    assert "rank 0:" in text and "rank 1:" in text
+
+
+def _tower_errors(rank, world_size, runs):
+    """Each run's error (None when it trained): ``(train_tower, repeats, steps)``."""
+    errors = []
+    for train_tower, repeats, steps in runs:
+        s = checks.tower_setting(seed=3, repeats=repeats, steps=steps)
+        try:
+            train_tower(checks.make_tower(rank, repeats), checks.tower_batches(s, rank), s["lr"])
+            errors.append(None)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_lab_11_the_conditions_each_failure_needs():
+    """One reentrant block with find_unused_parameters: "ready twice" on the first backward,
+    naming block.0.bias; without the flag the unused pooler raises lab 1's error at the second
+    iteration only; a block applied twice raises "ready twice" even without the flag."""
+    runs = [(GIVEN_TOWER, 1, 1), (tower_without_find_unused, 1, 1),
+            (tower_without_find_unused, 1, 2), (tower_pooler_frozen, 2, 1)]
+    for given, one_step, two_steps, twice in run_ranks(_tower_errors, 2, runs, timeout=60):
+        assert "Parameter at index 3 with name block.0.bias " + READY_TWICE in given
+        assert one_step is None and FINISHED_REDUCTION in two_steps
+        assert READY_TWICE in twice
+
+
+# --- wrong fixes fail the check they should -------------------------------------------------
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (aux_find_unused, "every step all-reduced 24 bytes besides the gradients"),
+    (aux_find_unused_and_frozen, "every step all-reduced 16 bytes besides the gradients"),
+])
+def test_lab_1_find_unused_parameters_is_seen_on_the_wire(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        checks.check_aux_head_never_used(wrong)
+
+
+def test_lab_1_fixes_that_only_hold_for_a_head_never_used_fail_the_hidden_checks():
+    """Freezing the head, static_graph and a wrapper of the used parts only pass the visible
+    check (no aux labels); the first two fail when the head has labels on some steps; the x0
+    trick passes both."""
+    some_steps = hidden.UNUSED_SITUATIONS[0]
+    for fix in (aux_frozen, aux_static_graph, aux_times_zero, aux_left_out_of_the_wrapper):
+        checks.check_aux_head_never_used(fix)
+    with pytest.raises(CheckFailed, match="differs from one process's"):
+        run_student(checks.UNUSED, some_steps[0], aux_frozen, some_steps[1])
+    with pytest.raises(CheckFailed, match="Your training graph has changed"):
+        run_student(checks.UNUSED, some_steps[0], aux_static_graph, some_steps[1])
+    run_student(checks.UNUSED, some_steps[0], aux_times_zero, some_steps[1])
+
+
+@pytest.mark.parametrize("save, resume, message", [
+    (save_on_every_rank, SOLUTION_RESUME, "rank 1: .*only rank 0 may write"),
+    (save_a_file_per_rank, resume_own_file, "rank 1: .*only rank 0 may write"),
+    (save_without_barrier, SOLUTION_RESUME, "rank 1: .*was not complete yet"),
+    (save_the_wrapper, SOLUTION_RESUME, "keys start with 'module.'"),
+    (SOLUTION_SAVE, resume_the_model_only, "restore the optimizer's state too"),
+], ids=["every-rank", "file-per-rank", "no-barrier", "module-prefix", "no-optimizer"])
+def test_lab_10_wrong_fixes(save, resume, message):
+    with pytest.raises(CheckFailed, match=message):
+        checks.check_resume(save, resume)
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (tower_without_find_unused, FINISHED_REDUCTION),
+    (tower_not_checkpointed, r"the block's forward ran 3 time\(s\), expected 6"),
+])
+def test_lab_11_wrong_fixes(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        checks.check_checkpointed_tower(wrong)
+
+
+def test_lab_11_a_frozen_pooler_without_the_flag_fails_only_with_a_shared_block():
+    checks.check_checkpointed_tower(tower_pooler_frozen)
+    with pytest.raises(CheckFailed, match=READY_TWICE):
+        run_student(checks.CHECKPOINTED, hidden.TOWER_SITUATIONS[0][0], tower_pooler_frozen,
+                    hidden.TOWER_SITUATIONS[0][1])
+    run_student(checks.CHECKPOINTED, hidden.TOWER_SITUATIONS[0][0], tower_static_graph,
+                hidden.TOWER_SITUATIONS[0][1])
+
+
+# --- judged by the trusted grader: sandbox-side ranks, traffic counted by its broker ----------
+
+
+@pytest.fixture(scope="module")
+def relayed():
+    with RelayedRanks(lambda rank, relay_dir: trusted.ObservationHost(
+            one_rank=True, dynamo=checks.AUDITED_CASES_BUILD_DDP)) as ranks:
+        yield ranks
+
+
+def test_the_solution_passes_the_hidden_checks_through_the_trusted_grader(host, relayed):
+    """The visible checks run on the solution in tests/test_exercises.py (the notebook
+    executed); the hidden ones use every case, here judged outside the ranks."""
+    hidden.check_ddp_errors(*(submitted(fn, host, relayed) for fn in (
+        SOLUTION_AUX, SOLUTION_SAVE, SOLUTION_RESUME, SOLUTION_TOWER)))
+
+
+def test_the_broker_sees_find_unused_parameters_too(host, relayed):
+    with pytest.raises(CheckFailed, match="every step all-reduced 24 bytes"):
+        checks.check_aux_head_never_used(submitted(aux_find_unused, host, relayed))
+
+
+# --- the judges read the ranks' reports as untrusted data ----------------------------------
+
+
+def _observations(case, world_size, fn, s):
+    from ddpcourse.grading.checks import run_observation
+    from ddpcourse.launcher import pickle_by_value
+
+    return run_observation(case.observe, world_size, pickle_by_value(fn), (s,), 60)
+
+
+DAMAGE = [((), None), (("raised",), "x"), (("weights",), []), (("weights", "aux.bias"), "nan"),
+          (("traffic",), None), (("traffic", "collective_calls"), [["all_reduce", "9"]]),
+          (("traffic", "collective_calls"), "x"), (("block_forwards",), "6"),
+          (("file",), None), (("file", "keys"), [1, 2]), (("pickled",), None),
+          (("writes",), None), (("on_return",), []), (("resumed",), {"x": 1})]
+
+
+def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge():
+    situations = [(checks.UNUSED, checks.judge_unused, SOLUTION_AUX, checks.unused_setting()),
+                  (checks.RESUME, checks.judge_resume, (SOLUTION_SAVE, SOLUTION_RESUME),
+                   checks.resume_setting()),
+                  (checks.CHECKPOINTED, checks.judge_checkpointed, SOLUTION_TOWER,
+                   checks.tower_setting())]
+    for case, judge, fn, s in situations:
+        reports = _observations(case, 2, fn, s)
+        judge(reports, 2, s)  # as reported: right
+        for path, value in DAMAGE:
+            if path and path[0] not in reports[0]:
+                continue
+            for rank in (0, 1):
+                if len(path) > 1 and not isinstance(reports[rank].get(path[0]), dict):
+                    continue  # rank 1 reports no file
+                damaged = list(reports)
+                damaged[rank] = altered(reports[rank], path, value)
+                try:
+                    judge(damaged, 2, s)
+                except CheckFailed as failed:
+                    assert len(str(failed)) < 5000
+                else:
+                    # rank 1's file is None by design: only rank 0 reports the file
+                    assert (path[:1] == ("file",) and rank == 1), (judge.__name__, path, rank)
