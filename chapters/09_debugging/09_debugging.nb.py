@@ -229,7 +229,7 @@ assert stack_of_a_hung_rank.problems(stacks) == []
 # | 1 | a Python exception | the first `[rankN]:` traceback |
 # | −9 | SIGKILL: nothing in Python ran; on a cluster most often the kernel's out-of-memory killer | `dmesg`, the node's memory; the scheduler's log |
 # | −15 | SIGTERM: stopped by the agent after another rank failed (or by the scheduler) | the root cause, not this rank |
-# | −6 | SIGABRT: a C++ abort, e.g. NCCL's watchdog ending a rank after a collective timeout | the lines before it: the watchdog's message |
+# | −6 | SIGABRT: a C++ abort, e.g. gloo's "Received data size doesn't match expected size" when ranks' collectives pair up with different sizes (lab `collectives_that_hang`), or NCCL's watchdog after a timeout | the lines before it: the abort's message |
 # | −11 | SIGSEGV: a crash in native code (section 3 shows one) | the native stack, the versions |
 #
 # A negative exit code is the signal that ended the process (Python's `subprocess` convention,
@@ -341,6 +341,7 @@ assert all(outcome.get("ok", True) for outcome in gpu_outcomes.values())
 # |---|---|---|---|---|
 # | no output, no error; GPUs idle or at 100 % | a collective one rank does not call | short `timeout=` in `init_process_group`; stacks (`faulthandler`, `py-spy dump`) of every rank | call collectives on every rank, in the same order | §2, §4; `collectives_that_hang` |
 # | `Timed out waiting ...ms for recv operation` (gloo) | the same, after the group's timeout | `monitored_barrier(wait_all_ranks=True)` names the missing rank | as above | §2 |
+# | exit −6, `Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?` (gloo) | a collective one rank makes alone meets another collective of a different size, or `all_gather` of unequal sizes | the exit code and the rank's stderr; stacks | same collectives everywhere; gather sizes, pad, cut | `collectives_that_hang` |
 # | `Detected mismatch between collectives on ranks` | ranks call different collectives or shapes | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (plain collectives; not DDP on CPU) | same collective, same shapes everywhere | §2; `captured_logs/mismatch_detail.log` |
 # | hang at the end of an epoch | shards of unequal length: one rank runs more steps | `bottom_up.py` step 2 (shard lengths) | equal numbers of steps (agree on the minimum), or `Join` | §1; `collectives_that_hang` |
 # | hang after a bad batch or an early stop | one rank decides alone to skip or stop | stacks: one rank in the next step's all-reduce, one elsewhere | decide together: all-reduce a flag | `collectives_that_hang` |
