@@ -10,6 +10,7 @@ Kept light on purpose: importing the package imports nothing heavy. Use the subm
 * :mod:`ddpcourse.doctor` - can this machine run the course? (``python -m ddpcourse.doctor``)
 * :mod:`ddpcourse.kernels` - execute notebooks in kernels on Unix sockets (no TCP ports).
 * :mod:`ddpcourse.grading` - what graded exercises share (setup cell, integrity, checks).
+* :mod:`ddpcourse.imports` - import another chapter's script by its path, under a name of its own.
 """
 
 __version__ = "0.1.0"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -12,9 +11,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-import cloudpickle
-
 from autograder.sources import TEXT_TWIN_SUFFIX, exercises
+from ddpcourse.imports import import_by_path  # noqa: F401  (the tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted((ROOT / "chapters").glob("*/*.ipynb"))
@@ -48,22 +46,3 @@ def chapter_of(nodeid: str) -> str | None:
     found = _TOKEN.search(nodeid)
     return _CHAPTER_TOKENS[found.group(1)] if found else None
 
-
-def import_by_path(name: str, path: Path, by_value: bool = False):
-    """The file ``path`` imported as module ``name``, once per process. Chapter scripts are
-    imported under names of their own (``ch08_train``): chapters 07 and 08 both have a
-    ``train.py``, and a plain ``import train`` gets whichever folder comes first on sys.path.
-    ``by_value``: the module's functions travel to the ranks by value, since the ranks cannot
-    import it by that name."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: dataclasses look their module up there
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    if by_value:
-        cloudpickle.register_pickle_by_value(sys.modules[name])
-    return sys.modules[name]

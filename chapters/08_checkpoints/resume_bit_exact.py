@@ -43,7 +43,6 @@ from (Python's and NumPy's generators in the ranks) does not; persistent workers
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import sys
@@ -54,21 +53,12 @@ import torch
 import torch.distributed as dist
 
 from ddpcourse.dist_env import process_group
+from ddpcourse.imports import import_by_path
 
 HERE = Path(__file__).resolve().parent
 
 
-def _import_train():
-    """chapters/08_checkpoints/train.py as ``ch08_train`` (chapter 07 has a ``train`` too)."""
-    if "ch08_train" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("ch08_train", HERE / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["ch08_train"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["ch08_train"]
-
-
-train = _import_train()
+train = import_by_path("ch08_train", HERE / "train.py")  # chapter 07 has a train.py too
 
 SMALL = dict(train_samples=128, eval_samples=32, batch_size=16, hidden=32, epochs=4, workers=1,
              progress=False, stuck_worker_s=60.0)

@@ -66,7 +66,6 @@ import contextlib
 import dataclasses
 import faulthandler
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -85,25 +84,9 @@ from torch.utils.data import DataLoader, DistributedSampler, Dataset, TensorData
 from tqdm import tqdm
 
 from ddpcourse.dist_env import cpu_group, group_device, process_group
+from ddpcourse.imports import import_by_path
 
 HERE = Path(__file__).resolve().parent
-
-
-def import_by_path(name: str, path: Path):
-    """Import the file ``path`` as module ``name`` (once). Chapters 07 and 08 both have a
-    ``train.py``: importing either as plain ``train`` would give whichever comes first on
-    ``sys.path``."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before running it: dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
 
 
 ch07 = import_by_path("ch07_train", HERE.parent / "07_training_loop" / "train.py")
