@@ -8,8 +8,10 @@ Two places of a call must not take it there:
   ``ddpcourse`` stays light). torch's C extension imports numpy while it initialises and, if that
   import raises, clears the error and carries on (``validate_numpy_for_dlpack_deleter_bug`` in
   ``torch/csrc/utils/tensor_numpy.cpp``): a ``KeyboardInterrupt`` raised there vanishes, the
-  import "succeeds", and the call runs to its deadline (``tests/test_launcher_interrupts.py``
-  shows both).
+  import "succeeds", and the call runs to its deadline. Raised anywhere else in the import, it
+  does come out, but leaves torch half-registered: importing it again fails, and so would every
+  later call. So the Ctrl-C waits for the whole import (``tests/test_launcher_interrupts.py``
+  shows all three).
 * starting a rank server and stopping the ranks: interrupted halfway, they would leave a process
   nobody tracks.
 
