@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from autograder import sandbox
+from autograder import sandbox, student_repo
 from autograder.merge import Shard
 from autograder.sources import assignments
 
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autograder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("release", help="generate exercises/ from solutions/ with nbgrader")
+    student_repo.add_command(sub)
     grade = sub.add_parser("grade", help="autograde a folder of submissions")
     grade.add_argument("submissions", type=Path,
                        help="nbgrader's submitted/ folder: SUBMISSIONS/{student}/{assignment}/")
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in release_all():
             print(f"released {path}")
         return 0
+    if opts.command == "student-repo":
+        return student_repo.run(opts)
     if opts.command == "merge":
         return merge(opts.outputs, opts.out)
     from autograder.grade import grade_class, print_summary
