@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpcourse.dist_env import process_group
+from ddpcourse.report import report_checks
 
 
 class Indices:
@@ -130,8 +131,7 @@ def main() -> int:
         for label, epochs in (("with set_epoch", with_epochs), ("without", without_epochs)):
             print(f"  rank 0, epochs 0-2, {label:<15}", [e[0] for e in epochs])
         failures = check(n, ws, with_epochs, without_epochs)
-        print("checks:", "all passed" if not failures else failures)
-        return 1 if failures else 0
+        return report_checks(failures)
 
 
 if __name__ == "__main__":

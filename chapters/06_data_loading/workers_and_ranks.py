@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 
 from ddpcourse.dist_env import process_group
+from ddpcourse.report import report_checks
 
 SPLITS = ("none", "rank", "rank x worker")
 
@@ -178,8 +179,7 @@ def main() -> int:
             print(f"  {label:<11}: first torch draw per rank {first}, ranks drew the same: "
                   f"{same_draws(per_rank)}")
         failures = check(n, ws, workers, streams, draws, rerun)
-        print("checks:", "all passed" if not failures else failures)
-        return 1 if failures else 0
+        return report_checks(failures)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpcourse.dist_env import group_device, process_group
+from ddpcourse.report import report_checks
 from ddpcourse.toys import flat_parameters, make_model, make_regression
 
 MSE = torch.nn.functional.mse_loss
@@ -306,8 +307,7 @@ def main() -> int:
         if not ctx.is_main:
             return 0
         found = problems(ws, placements, variants, versus)
-        print("checks:", "all passed" if not found else found)
-        return 1 if found else 0
+        return report_checks(found)
 
 
 if __name__ == "__main__":

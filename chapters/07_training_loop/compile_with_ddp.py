@@ -46,6 +46,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpcourse.dist_env import group_device, process_group
+from ddpcourse.report import report_checks
 
 WIDTH = 512  # a 512 x 512 float32 weight is exactly 1 MiB, the DDP optimizer's first bucket cap
 DEPTH = 4
@@ -338,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         found = problems(result) + replicas_differ(gathered)
         for line in found:
             print("PROBLEM:", line)
-        print("checks:", "FAILED" if found else "passed")
-        return 1 if found else 0
+        return report_checks(found)
 
 
 if __name__ == "__main__":

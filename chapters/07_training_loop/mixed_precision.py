@@ -49,6 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 from accumulation import (CommLog, counting_allreduce_hook, gradient_vector, group_device,
                           micro_batches, spread_across_ranks, wrap)
 from ddpcourse.dist_env import process_group
+from ddpcourse.report import report_checks
 from ddpcourse.toys import flat_parameters, make_model, make_regression
 
 MSE = torch.nn.functional.mse_loss
@@ -289,8 +290,7 @@ def main() -> int:
         if not ctx.is_main:
             return 0
         found = problems(warned, errors, traffic, hooks, history, on_gpu)
-        print("checks:", "all passed" if not found else found)
-        return 1 if found else 0
+        return report_checks(found)
 
 
 if __name__ == "__main__":

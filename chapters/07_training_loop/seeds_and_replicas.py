@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from ddpcourse.dist_env import cpu_group, process_group
+from ddpcourse.report import report_checks
 
 SEEDINGS = ("same seed", "seed + rank")
 BASE_SEED = 0
@@ -295,8 +296,7 @@ def main() -> int:
             return 0
         _print_results(gathered)
         problems = check(gathered)
-        print("checks:", "all passed" if not problems else problems)
-        return 1 if problems else 0
+        return report_checks(problems)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
 from ddpcourse.dist_env import process_group, short_timeout_group
+from ddpcourse.report import report_checks
 
 GROUP_TIMEOUT_S = 10.0  # no demo here waits for a peer; this only bounds a surprise
 PRIOR_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -451,10 +452,7 @@ def main() -> int:
         print("'did not find any unused parameters' printed at steps:", results["warning"])
         print("nodes the search visits per iteration:", results["search sizes"])
         found = problems(results)
-        print("checks:", "passed" if not found else "FAILED")
-        for problem in found:
-            print("  -", problem)
-        return 1 if found else 0
+        return report_checks(found)
 
 
 if __name__ == "__main__":

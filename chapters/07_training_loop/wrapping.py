@@ -40,6 +40,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpcourse.dist_env import process_group, short_timeout_group
+from ddpcourse.report import report_checks
 
 DEMO_TIMEOUT_S = 2.0  # how long a rank waits for a peer that will never come, in the demos
 GROUP_TIMEOUT_S = 30.0  # the other demos wait for no one; this only bounds a surprise
@@ -420,10 +421,7 @@ def main() -> int:
         print("rank 0 evaluates the wrapper:", r0["rank 0 evaluates the wrapper"])
         print("training through model.module, grads equal:", r0["training through model.module"])
         found = problems(results)
-        print("checks:", "passed" if not found else "FAILED")
-        for problem in found:
-            print("  -", problem)
-        return 1 if found else 0
+        return report_checks(found)
 
 
 if __name__ == "__main__":

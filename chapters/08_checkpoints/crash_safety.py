@@ -51,6 +51,7 @@ from checkpoint_files import CheckpointDir, PausingWriter, is_complete, saved_si
 
 from ddpcourse.dist_env import process_group  # noqa: E402
 from ddpcourse.launcher.processes import set_parent_death_signal  # noqa: E402
+from ddpcourse.report import report_checks  # noqa: E402
 
 KILL_POINTS = ("while pickling", "half written", "before the pointer moves")
 WRITER_TIMEOUT_S = 60.0  # a writer that never reaches its kill point is killed after this
@@ -298,9 +299,7 @@ def main() -> int:
             for name, r in results.items():
                 print(f"{name}: {r}")
             found = problems(results)
-            print("checks:", "passed" if not found else "FAILED")
-            for problem in found:
-                print("  -", problem)
+            report_checks(found)
         verdict = [len(found)]
         dist.broadcast_object_list(verdict, src=0)  # the other ranks waited here
         return 1 if verdict[0] else 0

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ddpcourse.launcher import run_bounded
+from ddpcourse.report import report_checks
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -214,8 +215,7 @@ def main() -> int:
         print(describe(run, reference))
     for line in found:
         print("PROBLEM:", line)
-    print("checks:", "FAILED" if found else "passed")
-    return 1 if found else 0
+    return report_checks(found)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpcourse.dist_env import cpu_group, process_group
+from ddpcourse.report import report_checks
 
 LEARNING_RATE = 0.01
 
@@ -373,10 +374,7 @@ def main() -> int:
             for name, case in r["load order"].items():
                 print(f"rank {rank}, {name}: {case}")
         found = problems(results)
-        print("checks:", "passed" if not found else "FAILED")
-        for problem in found:
-            print("  -", problem)
-        return 1 if found else 0
+        return report_checks(found)
 
 
 if __name__ == "__main__":

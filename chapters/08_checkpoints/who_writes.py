@@ -57,6 +57,7 @@ from checkpoint_files import (  # noqa: E402
     PausingWriter, replace_atomically, save_atomically, saved_size)
 
 from ddpcourse.dist_env import process_group  # noqa: E402
+from ddpcourse.report import report_checks
 
 COLLECTIVES = (
     "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
@@ -390,10 +391,7 @@ def main() -> int:
             print(f"rank 1 reads, {name}: half way -> {outcome['read half way']!r}; after the "
                   f"barrier -> {outcome['read after the barrier']!r}")
         found = problems(results)
-        print("checks:", "passed" if not found else "FAILED")
-        for problem in found:
-            print("  -", problem)
-        return 1 if found else 0
+        return report_checks(found)
 
 
 if __name__ == "__main__":

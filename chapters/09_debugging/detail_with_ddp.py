@@ -23,6 +23,8 @@ import os
 import re
 import sys
 
+from ddpcourse.report import report_checks
+
 WORKER = "worker"
 DEADLINE_S = 120.0
 CRASH_SEEN_WITH = "2.13.0"  # the CPU build this crash was seen with; other versions: reported only
@@ -107,10 +109,7 @@ def main() -> int:
         for line in seen["DDP's own log"]:
             print("   ", line[:150])
     found = problems(outcomes)
-    print("checks:", "passed" if not found else "FAILED")
-    for problem in found:
-        print("  -", problem)
-    return 1 if found else 0
+    return report_checks(found)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ import re
 import sys
 import tempfile
 
+from ddpcourse.report import report_checks
+
 CASES = {  # case -> (GPUs it needs, what its output must contain, whether it must succeed)
     "same_device": (1, "Duplicate GPU detected", False),
     "no_set_device": (1, "Duplicate GPU detected", False),
@@ -128,8 +130,7 @@ def main() -> int:
         if not seen["ok"]:
             failed.append(case)
             print(seen["tail"])
-    print("checks:", "FAILED" if failed else "passed")
-    return 1 if failed else 0
+    return report_checks(failed)
 
 
 if __name__ == "__main__":

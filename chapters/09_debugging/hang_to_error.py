@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ddpcourse.dist_env import process_group, short_timeout_group
+from ddpcourse.report import report_checks
 
 TIMEOUT_S = 3.0
 
@@ -157,10 +158,7 @@ def main() -> int:
                 text = (seen[name]["error"] or "(no error)").splitlines()[0][:160]
                 print(f"{name:32s} rank {rank} after {seen[name]['seconds']:4.1f} s: {text}")
         found = problems(results)
-        print("checks:", "passed" if not found else "FAILED")
-        for problem in found:
-            print("  -", problem)
-        return 1 if found else 0
+        return report_checks(found)
 
 
 if __name__ == "__main__":

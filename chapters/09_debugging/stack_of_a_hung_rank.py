@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ddpcourse.dist_env import process_group
+from ddpcourse.report import report_checks
 
 WATCHDOG_S = 1.0  # rank 0's patience before it dumps its own stack
 GIVE_UP_S = 60.0
@@ -105,10 +106,7 @@ def main() -> int:
             print(f"--- rank {rank}'s stack ---")
             print(seen["stack"].strip())
         found = problems(results)
-        print("checks:", "passed" if not found else "FAILED")
-        for problem in found:
-            print("  -", problem)
-        return 1 if found else 0
+        return report_checks(found)
 
 
 if __name__ == "__main__":
