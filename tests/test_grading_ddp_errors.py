@@ -94,8 +94,8 @@ def aux_frozen(model, batches, lr):
 
 
 def aux_left_out_of_the_wrapper(model, batches, lr):
-    """The fix "remove it from the model", when the grader owns the model: DDP wraps only the
-    parts the loss uses."""
+    """"Remove it from the model", when the model is given: DDP wraps only the parts the loss
+    uses, so it never broadcasts the aux head, and every rank keeps its own."""
     used = DDP(nn.Sequential(model.backbone, nn.Tanh(), model.head))
     optimizer = torch.optim.SGD(used.parameters(), lr=lr)
     for x, y, _ in batches:
@@ -286,17 +286,21 @@ def test_lab_1_find_unused_parameters_is_seen_on_the_wire(wrong, message):
 
 
 def test_lab_1_fixes_that_only_hold_for_a_head_never_used_fail_the_hidden_checks():
-    """Freezing the head, static_graph and a wrapper of the used parts only pass the visible
-    check (no aux labels); the first two fail when the head has labels on some steps; the x0
-    trick passes both."""
+    """Freezing the head and static_graph pass the visible check (no aux labels) and fail when
+    the head has labels on some steps; the x0 trick passes both."""
     some_steps = hidden.UNUSED_SITUATIONS[0]
-    for fix in (aux_frozen, aux_static_graph, aux_times_zero, aux_left_out_of_the_wrapper):
+    for fix in (aux_frozen, aux_static_graph, aux_times_zero):
         checks.check_aux_head_never_used(fix)
     with pytest.raises(CheckFailed, match="differs from one process's"):
         run_student(checks.UNUSED, some_steps[0], aux_frozen, some_steps[1])
     with pytest.raises(CheckFailed, match="Your training graph has changed"):
         run_student(checks.UNUSED, some_steps[0], aux_static_graph, some_steps[1])
     run_student(checks.UNUSED, some_steps[0], aux_times_zero, some_steps[1])
+
+
+def test_lab_1_a_head_left_out_of_the_wrapper_is_never_broadcast():
+    with pytest.raises(CheckFailed, match="rank 1's 'aux.weight' differs from rank 0's"):
+        checks.check_aux_head_never_used(aux_left_out_of_the_wrapper)
 
 
 @pytest.mark.parametrize("save, resume, message", [

@@ -114,8 +114,12 @@ print(seen["error"])
 # for a fix without it (the test counts what the ranks all-reduce):
 #
 # * **Give DDP nothing to wait for**: freeze the head before wrapping
-#   (`model.aux.requires_grad_(False)`: DDP registers only parameters that require a gradient) or
-#   leave it out of what DDP wraps. Right when the head is not trained in this run.
+#   (`model.aux.requires_grad_(False)`: DDP waits only for parameters that require a gradient,
+#   and still broadcasts the frozen ones from rank 0 when it wraps). Right when the head is not
+#   trained in this run. Wrapping only the parts the loss uses (`DDP(nn.Sequential(backbone,
+#   tanh, head))`) also stops the error, but DDP then never broadcasts the aux head: every rank
+#   keeps its own initial aux weights, and the test's ranks, which start from different
+#   weights, end with replicas that differ.
 # * **Give it a part in every loss**: `loss + 0 * aux.sum()` on the steps without aux labels. Its
 #   gradient is then zero, which plain SGD (no momentum, no weight decay) turns into no change at
 #   all: SGD skips a parameter whose `.grad` is `None` and subtracts `lr * 0` from one whose
