@@ -25,9 +25,9 @@
 # **The idea.** Debug bottom-up, and turn every failure into a message that names the rank, the
 # line and the collective: check the group, then the data, then the loop; shorten the timeouts
 # so that a hang becomes an error in seconds; ask the ranks for their stacks; let PyTorch compare
-# the collectives of all ranks; and read torchrun's report from its first `[rankN]:` block. Each
-# section runs a real failure on 2 gloo ranks (the CPU); the GPU-only failures run where GPUs
-# are, and their captured logs are here for everyone.
+# the collectives of all ranks; and read torchrun's report from the rank with an error of its
+# own. Each section runs a real failure on 2 gloo ranks (the CPU); the GPU-only failures run
+# where GPUs are, and their captured logs are here for everyone.
 #
 # | section | script (each checks its own claims) |
 # |---|---|
@@ -35,7 +35,7 @@
 # | 2. A hang becomes an error: short timeouts, `monitored_barrier`, `TORCH_DISTRIBUTED_DEBUG=DETAIL` | `hang_to_error.py` |
 # | 3. `TORCH_DISTRIBUTED_DEBUG` around DDP: INFO, and DETAIL's crash on the CPU | `detail_with_ddp.py` |
 # | 4. Where is each rank? Stacks of a hung job | `stack_of_a_hung_rank.py` |
-# | 5. Reading torchrun's report: the first `[rankN]:` block and the exit codes | `captured_logs/` |
+# | 5. Reading torchrun's report: the rank with an error of its own, and the exit codes | `captured_logs/` |
 # | 6. On GPUs: one GPU per rank, NCCL's watchdog, the flight recorder | `gpu_failures.py`, `captured_logs/` |
 # | 7. The lab: fifteen broken jobs to fix | `exercises/09_debugging/` |
 #
@@ -216,17 +216,22 @@ assert stack_of_a_hung_rank.problems(stacks) == []
 # date, torch version and the exact command); the job is `captured_logs/failing_job.py`, where
 # rank 1 meets a corrupt record at step 3.
 #
-# 1. **The first `[rankN]:` block** is the Python traceback of the rank that failed first (every
-#    line of a rank's output is prefixed `[rankN]:`). Its last line is the exception, its last
-#    frame of *your* code is the line.
-# 2. **The table at the end** (`ChildFailedError`): "Root Cause (first observed failure)" is the
-#    rank that failed first, with its exit code. The others are listed under "Other Failures",
-#    usually with **−15 (SIGTERM): they did nothing wrong**, the agent stopped them after the root
-#    cause. Do not debug them.
+# 1. **The `[rankN]:` tracebacks** (every line a rank prints after `init_process_group` is
+#    prefixed `[rankN]:`, by the excepthook it installs in torch/distributed/distributed_c10d.py).
+#    Look for the rank with an error **of its own**: here rank 1's `ValueError`. The other ranks'
+#    tracebacks are consequences: their next collective lost its peer ("Connection closed by
+#    peer") or timed out. The last frame of *your* code in that traceback is the line.
+# 2. **The table at the end** (`ChildFailedError`) gives every rank's exit code. The ranks with
+#    **−15 (SIGTERM) did nothing wrong**: the agent stopped them after the first failure. Do not
+#    debug them. Its "Root Cause (first observed failure)" is only torchrun's guess: the entry
+#    with the smallest timestamp, in whole seconds, ties going to the first entry, and without
+#    `@record` the time is when the agent noticed the exit (`ChildFailedError.get_first_failure`
+#    in torch/distributed/elastic/multiprocessing/errors/__init__.py). In `timeout.log` below
+#    it names rank 0 only because of such a tie; the traceback with an error of its own decides.
 #
 # | exit code | meaning | where to look |
 # |---|---|---|
-# | 1 | a Python exception | the first `[rankN]:` traceback |
+# | 1 | a Python exception | the `[rankN]:` traceback with an error of its own |
 # | −9 | SIGKILL: nothing in Python ran; on a cluster most often the kernel's out-of-memory killer | `dmesg`, the node's memory; the scheduler's log |
 # | −15 | SIGTERM: stopped by the agent after another rank failed (or by the scheduler) | the root cause, not this rank |
 # | −6 | SIGABRT: a C++ abort, e.g. gloo's "Received data size doesn't match expected size" when ranks' collectives pair up with different sizes (lab `collectives_that_hang`), or NCCL's watchdog after a timeout | the lines before it: the abort's message |
@@ -259,7 +264,9 @@ excerpt("sigkill.log", "Root Cause", "exitcode", "rank      :")
 # traceback see: https://pytorch.org/docs/stable/elastic/errors.html`: the traceback is only in
 # the `[rankN]:` lines, which a scheduler may have cut or interleaved. Decorating the script's
 # entry point with `@record` (from `torch.distributed.elastic.multiprocessing.errors`) makes each
-# failing rank write its traceback to an error file, and torchrun puts it into the report itself:
+# failing rank write its traceback to an error file, and torchrun puts it into the report itself
+# (and the root cause is then chosen by when each exception was recorded). `@record` also turns
+# on `faulthandler`, so a crash in native code prints the Python stacks:
 
 # %%
 excerpt("raise_record.log", "error_file", "traceback :", "ValueError", limit=8)
@@ -363,8 +370,8 @@ assert all(outcome.get("ok", True) for outcome in gpu_outcomes.values())
 # * Debug bottom-up: the group, the shards, one step (`bottom_up.py`), then the loop.
 # * Make hangs short and loud: a short group timeout while debugging, `monitored_barrier`,
 #   `TORCH_DISTRIBUTED_DEBUG=DETAIL` for plain collectives, every rank's stack.
-# * Read torchrun's report from the first `[rankN]:` block and the root cause's exit code; the
-#   −15s are bystanders. `@record` puts the traceback into the report.
+# * Read torchrun's report from the `[rankN]:` traceback with an error of its own, and the exit
+#   codes; the −15s are bystanders. `@record` puts the traceback into the report.
 # * On GPUs: one GPU per rank, set first; NCCL's watchdog and flight recorder for hangs.
 #
 # Next: chapter 10 measures where the time of a DDP step goes.
