@@ -64,11 +64,11 @@ README = "README.md"
 INSTRUCTORS_SECTION = "## For instructors"
 STUDENT_NOTE = """\
 > **Your class's copy of the course.** It holds the lessons (`chapters/`), the exercise notebooks
-> you hand in (`exercises/`) and the `ddpcourse` package they use. Check an exercise with
-> `pytest exercises/NN_topic/SLUG.ipynb` (the section "Exercises: self-check" below). The
-> instructors' grader, the solutions and the course's own test suite are not part of this copy:
-> where this README mentions `solutions/`, `autograder/`, `tests/` or `CONTRIBUTING.md`, it
-> describes the instructors' repository. (Built from commit {commit}.)
+> you hand in (`exercises/`) and the `ddpcourse` package they use. Check one exercise with
+> `pytest exercises/NN_topic/SLUG.ipynb` (see "Exercises: self-check" below); a plain `pytest`
+> checks every exercise. The instructors' grader, the solutions and the course's own test suite
+> are not part of this copy: where this README mentions `solutions/`, `autograder/`, `tests/` or
+> `CONTRIBUTING.md`, it describes the instructors' repository. (Built from commit {commit}.)
 
 """
 
