@@ -241,3 +241,50 @@ def test_update_replaces_a_clean_checkouts_files_so_git_shows_the_changes(tiny_r
     assert changes == [" D stale.md", " M README.md", " M chapters/01_x/lesson.py"]
     with pytest.raises(student_repo.StudentRepoError, match="no .git"):
         student_repo.build_student_repo(tmp_path / "plain", update=True, repo=tiny_repo)
+
+
+# --- the instructor's walk-through, run as written ----------------------------------------------
+
+DOC = ROOT / "autograder" / "PRIVATE_CLASS.md"
+DOC_STUDENTS = "../ddp-course-students"
+DOC_REMOTE = "git@example.org:your-class/ddp-course.git"
+
+
+def doc_blocks() -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", DOC.read_text(), re.S | re.M)
+
+
+def test_private_class_walkthrough_runs_as_written(tmp_path):
+    """Publish, a later update, and the grading check, with the checkout and the Git host
+    replaced by folders here. Between the two publications someone edited the published
+    repository by hand: the update undoes it, so there is a change to commit and push."""
+    publish, update, grading = doc_blocks()
+    students, remote = tmp_path / "students", tmp_path / "host.git"
+    git(tmp_path, "init", "-q", "--bare", "-b", "main", str(remote))
+    env = {**os.environ, "GIT_AUTHOR_NAME": "course", "GIT_AUTHOR_EMAIL": "course@example.invalid",
+           "GIT_COMMITTER_NAME": "course", "GIT_COMMITTER_EMAIL": "course@example.invalid",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def run(block: str) -> str:
+        script = block.replace(DOC_STUDENTS, str(students)).replace(DOC_REMOTE, str(remote))
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{script}\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    run(publish)
+    published = files_under(students)
+    assert git(remote, "ls-tree", "-r", "--name-only", "main").splitlines() == published
+    edited = tmp_path / "edited"
+    git(tmp_path, "clone", "-q", str(remote), str(edited))
+    (edited / "chapters" / "hand_edit.md").write_text("edited on the host")
+    git(edited, "add", ".")
+    git(edited, "commit", "-qm", "a hand edit")
+    git(edited, "push", "-q")
+
+    status = [line for line in run(update).splitlines() if re.match(r"[ MADRCU?]{2} \S", line)]
+    assert status == ["D  chapters/hand_edit.md"]
+    assert git(remote, "ls-tree", "-r", "--name-only", "main").splitlines() == published
+    assert git(remote, "log", "--format=%s", "main").splitlines()[0] == (
+        "DDP course: this term's changes")
+    run(grading)
