@@ -144,7 +144,8 @@ def test_the_allow_list_keeps_new_private_files_private():
 def test_the_self_check_runs_there_the_stub_fails_its_checks_and_hidden_cells_skip(export, tmp_path):
     """As a student runs it, with this copy's ddpcourse first on the path (as its `pip install
     -e .` would put it) and no grader anywhere the kernel can import."""
-    env = {**os.environ, "PYTHONPATH": str(export)}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
+           "PYTHONPATH": str(export)}  # not this run's pytest-xdist worker settings
     notebook = export / SELF_CHECKED
     where = subprocess.run(
         [sys.executable, "-c", "import ddpcourse, importlib.util as u; "
