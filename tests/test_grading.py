@@ -14,11 +14,13 @@ import torch.distributed as dist
 
 from autograder.tamper_scan import SETUP_NAMES, _Scanner
 from ddpcourse.grading import integrity
-from ddpcourse.grading.checks import CHECK_TIMEOUT_S, CheckFailed, run_student
+import ddpcourse.grading.checks as checks_module
+from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, CheckFailed, expect_close, explain,
+                                      run_student)
 from ddpcourse.grading.comm_audit import CommAudit
 from ddpcourse.grading.exercises import allreduce_by_hand
 from ddpcourse.kernels import execute_notebook
-from ddpcourse.launcher import run_ranks
+from ddpcourse.launcher import RankError, RankFailure, run_ranks
 
 
 def collectives_seen(rank, world_size):
@@ -167,3 +169,56 @@ def test_a_function_that_cannot_travel_to_the_ranks_is_refused_before_any_launch
 
     with pytest.raises(CheckFailed, match="holds_a_lock cannot be sent to the ranks"):
         run_student(lambda rank, world_size, fn: fn(), 2, holds_a_lock)
+
+
+# --- what a failure says: no grader frames, the grader's own waits told apart, hints ----------
+
+GRADER = checks_module.__file__
+TORCH_C10D = str(Path(torch.distributed.__file__).parent / "distributed_c10d.py")
+
+
+def stack(*frames: tuple[str, int, str]) -> str:
+    """A faulthandler stack of the main thread, innermost frame first."""
+    return "Current thread 0x00007f00 (most recent call first):\n" + "\n".join(
+        f'  File "{path}", line {line} in {function}' for path, line, function in frames)
+
+
+def test_a_timeout_names_the_students_frames_and_not_the_graders():
+    stuck_in_student = stack((TORCH_C10D, 2799, "recv"), ("/tmp/ipykernel_7/1.py", 8,
+                             "ring_allreduce"), (GRADER, 262, "_in_rank"))
+    done_waiting_for_peers = stack((TORCH_C10D, 2900, "all_reduce"),
+                                   (GRADER, 230, "probe_group"), (GRADER, 262, "_in_rank"))
+    message = explain(RankError([RankFailure(0, "timeout", stack=stuck_in_student),
+                                 RankFailure(1, "timeout", stack=done_waiting_for_peers)],
+                                2, "gloo"), False, 7)
+    rank0, rank1 = message.split("\nrank 1: ")
+    assert rank0.startswith("rank 0: did not finish within 7 s") and "in ring_allreduce" in rank0
+    assert 'torch/distributed/distributed_c10d.py", line 2799 in recv' in rank0
+    assert GRADER not in message and "_in_rank" not in message and "Current thread" not in message
+    assert rank1.startswith("did not finish within 7 s, but not in your code") and \
+        "the check's own all_reduce (probe_group)" in rank1
+    assert "a collective that not every rank calls (e.g. one inside `if rank == 0`)" in message
+
+
+def test_a_raised_exception_shows_the_students_frames_only():
+    traceback_text = (
+        "Traceback (most recent call last):\n"
+        f'  File "{GRADER}", line 262, in _in_rank\n'
+        "    return rank_check(rank, world_size, student_fn, *args)\n"
+        '  File "/tmp/ipykernel_7/2.py", line 3, in average_gradients\n'
+        "    return {}['x']\n"
+        "KeyError: 'x'\n")
+    message = explain(RankError([RankFailure(0, "raised", exc_type="KeyError", message="'x'",
+                                             traceback=traceback_text)], 1, "gloo"), False, 7)
+    assert "line 3, in average_gradients" in message and message.endswith("KeyError: 'x'")
+    assert GRADER not in message and "rank_check(rank, world_size" not in message
+
+
+def test_a_sum_where_a_mean_was_due_asks_whether_the_sum_was_divided():
+    expected = torch.tensor([0.5, -1.25, 3.0])
+    with pytest.raises(CheckFailed, match="exactly 3 times the expected value, and 3 is the "
+                                          "world size: did you divide the sum"):
+        expect_close(expected * 3, expected, "grad", world_size=3)
+    with pytest.raises(CheckFailed) as other:
+        expect_close(expected * 2, expected, "grad", world_size=3)
+    assert "divide" not in str(other.value)

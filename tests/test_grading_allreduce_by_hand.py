@@ -34,3 +34,16 @@ def test_a_check_explains_per_rank_what_was_expected_and_what_came_back():
         checks.check_ring_allreduce_two_ranks(off_by_one)
     message = str(info.value)
     assert "rank 0:" in message and "rank 1:" in message and "expected [" in message
+
+
+def test_a_sum_where_the_mean_was_due_is_named_as_such():
+    def sums_only(model):
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                torch.distributed.all_reduce(parameter.grad)  # no division by the world size
+
+    with pytest.raises(CheckFailed) as info:
+        checks.check_average_gradients_two_ranks(sums_only)
+    message = str(info.value)
+    assert "exactly 2 times the expected value, and 2 is the world size: did you divide the sum?" \
+        in message, message

@@ -106,6 +106,30 @@ def test_bucketed_ddp_checks_catch(mistake, replacement, check, message):
 
 
 SUM_NOT_MEAN = ("            flat /= world_size\n", "")
+ONLY_RANK_1_BROADCASTS = ("dist.broadcast(tensor, src=0)",
+                          "dist.broadcast(tensor, src=min(1, dist.get_world_size() - 1))")
+
+
+def test_one_mistake_fails_one_test():
+    """A wrong broadcast_parameters and a missing division: the BucketedDDP tests give the class a
+    known-good broadcast_parameters, and only the test of the values sees the sum (and says so)."""
+    _, BucketedDDP = build(ONLY_RANK_1_BROADCASTS, SUM_NOT_MEAN)
+    with pytest.raises(CheckFailed) as failed:
+        checks.check_bucketed_ddp_matches_one_process(BucketedDDP)
+    message = str(failed.value)
+    assert "did you divide the sum?" in message and "rank 0's value" not in message, message
+    checks.check_bucketed_ddp_one_allreduce_per_bucket(BucketedDDP)
+    checks.check_bucketed_ddp_overlaps_backward(BucketedDDP)
+
+
+def test_a_bucket_may_hold_exactly_the_cap():
+    model = checks.make_net("plain", torch.float32, 0)
+    assert checks.expected_buckets(model, checks.EXACT_CAP_MB)[0] == [
+        "out.bias", "out.weight", "mid2.bias", "mid2.weight"]  # 12 + 192 + 64 + 1024 bytes
+    _, closes_at_the_cap = build(("if current and size + nbytes > cap:",
+                                  "if current and size + nbytes >= cap:"))
+    with pytest.raises(CheckFailed, match=r"bucket_cap_mb=0\.00123215.*expected 3 all-reduce calls"):
+        checks.check_bucketed_ddp_one_allreduce_per_bucket(closes_at_the_cap)
 REBINDS_THE_CHECKS = ("        broadcast_parameters(module)\n", """\
         broadcast_parameters(module)
         import ddpcourse.grading.checks as grading
@@ -145,6 +169,9 @@ def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(
      checks.check_broadcast_parameters_two_ranks, "is not rank 0's value"),
     ("the sum, and the checks rebound in the ranks", [SUM_NOT_MEAN, REBINDS_THE_CHECKS],
      checks.check_bucketed_ddp_matches_one_process, "largest difference"),
+    ("a wrong broadcast_parameters: replaced by a known-good one for the class's tests",
+     [ONLY_RANK_1_BROADCASTS, SUM_NOT_MEAN], checks.check_bucketed_ddp_matches_one_process,
+     "did you divide the sum"),
     ("all-reduces only after backward", [("if self._missing[index] == 0:\n            "
                                           "self._launch(index)", "pass")],
      checks.check_bucketed_ddp_overlaps_backward, "must start .async_op=True. as soon as"),
@@ -208,7 +235,7 @@ TRAINING_DAMAGE = [
 def test_honest_reports_pass_the_judges():
     checks.judge_broadcast([honest_broadcast_report(2)] * 2, 2)
     checks.judge_bucketed_training([honest_training_report(2, 0.0015, 2)] * 2, 2, 0.0015,
-                                   "plain", "float32", 0, 2, True)
+                                   "plain", "float32", 0, 2, "all")
 
 
 @pytest.mark.parametrize("case, path, value",
@@ -222,7 +249,7 @@ def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge(case, pat
         honest, judge, args = honest_broadcast_report(2), checks.judge_broadcast, ()
     else:
         honest, judge = honest_training_report(2, 0.0015, 2), checks.judge_bucketed_training
-        args = (0.0015, "plain", "float32", 0, 2, True)
+        args = (0.0015, "plain", "float32", 0, 2, "all")
     with pytest.raises(CheckFailed) as failed:
         judge([honest, altered(honest, path, value)], 2, *args)
     message = str(failed.value)

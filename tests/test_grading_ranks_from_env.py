@@ -58,6 +58,31 @@ def raises_key_error(env):
     return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
 
 
+def reads_without_checking(env, missing_named=all, check_range=False):
+    """Picks the launcher as the task says; names ``missing_named`` of the missing variables
+    (``all``, or only the first: ``any``); checks ``0 <= rank < world_size`` only if asked."""
+    torchrun = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    slurm = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
+    names = torchrun if any(n in env for n in torchrun) else slurm
+    if not any(n in env for n in names):
+        raise ValueError(f"none of {torchrun + slurm} is set")
+    missing = [n for n in names if n not in env]
+    if missing:
+        raise ValueError(f"missing {missing if missing_named is all else missing[0]}")
+    rank, local_rank, world_size = (int(env[n]) for n in names)
+    if check_range and not 0 <= rank < world_size:
+        raise ValueError(f"{names[0]} out of range")
+    return rank, local_rank, world_size
+
+
+def names_only_the_first_missing(env):
+    return reads_without_checking(env, missing_named=any, check_range=True)
+
+
+def accepts_rank_equal_to_world_size(env):
+    return reads_without_checking(env, missing_named=all, check_range=False)
+
+
 def defaults_to_zero_and_rebinds_the_checks(env):
     """The rank-zero default, and the check module's comparisons rebound in its process."""
     import ddpcourse.grading.checks as grading
@@ -94,6 +119,12 @@ def test_ranks_from_env_checks_catch_the_rank_zero_default_and_the_silent_fallba
     (defaults_to_zero, checks.check_ranks_from_env_in_real_processes,
      r"slurm environment of process 1 of 4: expected \(1, 1, 4\) \(three ints\), got "
      r"\(0, 0, 1\)"),
+    # what the task's "Raises" asks, each with a visible case (not only a hidden one)
+    (names_only_the_first_missing, checks.check_ranks_from_env_never_defaults,
+     r"only RANK \(the message names every missing variable\): the ValueError must name "
+     r"\['WORLD_SIZE'\]"),
+    (accepts_rank_equal_to_world_size, checks.check_ranks_from_env_never_defaults,
+     r"RANK equal to WORLD_SIZE: expected ValueError naming \['RANK'\], got \(2, 0, 2\)"),
 ], ids=lambda v: getattr(v, "__name__", "")[:40])
 def test_the_visible_checks_catch(wrong, check, message):
     with pytest.raises(CheckFailed, match=message):

@@ -114,6 +114,12 @@ VISIBLE = {"no_shuffle": checks.check_shard_indices_without_shuffle,
            "drop_last": checks.check_shard_indices_drop_last_and_bad_ranks}
 
 
+def no_error_for_zero_replicas(dataset_len, num_replicas, rank, **kwargs):
+    if num_replicas < 1:
+        return []
+    return make()(dataset_len, num_replicas, rank, **kwargs)
+
+
 @pytest.mark.parametrize("wrong, check, message", [
     (make(pad="zeros"), "no_shuffle", r"shard_indices\(10, 3, 2, shuffle=False\): expected "
                                       r"\[2, 5, 8, 1\], got \[2, 5, 8, 0\]"),
@@ -135,16 +141,12 @@ VISIBLE = {"no_shuffle": checks.check_shard_indices_without_shuffle,
     (no_padding, "no_shuffle", r"\(11, 2, rank, shuffle=False\) on every rank: the ranks got "
                                r"different numbers of indices \[6, 5\]"),
     (seeded_per_rank, "shuffled", r"together the ranks must cover every index of range\(10\)"),
+    # every bad argument the task names has a visible case
+    (no_error_for_zero_replicas, "drop_last", r"\(num_replicas 0\): expected ValueError"),
 ])
 def test_the_visible_checks_catch_wrong_samplers(wrong, check, message):
     with pytest.raises(CheckFailed, match=message):
         VISIBLE[check](wrong)
-
-
-def no_error_for_zero_replicas(dataset_len, num_replicas, rank, **kwargs):
-    if num_replicas < 1:
-        return []
-    return make()(dataset_len, num_replicas, rank, **kwargs)
 
 
 def pads_once(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0, drop_last=False):
@@ -163,7 +165,6 @@ def crashes_on_empty(dataset_len, num_replicas, rank, **kwargs):
 
 def test_the_hidden_checks_catch_what_the_visible_ones_miss():
     for wrong, message in [
-        (no_error_for_zero_replicas, r"\(num_replicas 0\): expected ValueError"),
         (pads_once, r"\(1, 4, rank\) on every rank: the ranks got different numbers of "
                     r"indices \[1, 1, 0, 0\]"),
         (crashes_on_empty, r"shard_indices\(0, 1, 0\): expected a list of Python ints"),

@@ -530,7 +530,9 @@ for d in ("naive", "hooks", "ddp"):
 # identical, but it does nothing for replicas that start apart: with SGD, `w_r - w_0` stays exactly
 # what it was at initialisation, forever. `broadcast_parameters.py` builds each rank's model with
 # seed = rank and trains it three ways: averaged gradients only; the same after `dist.broadcast`
-# of every parameter and buffer from rank 0; and DDP:
+# of every parameter and buffer from rank 0; and DDP. (**The function shown below,
+# `broadcast_from_rank0`, is the answer to exercise 05's `broadcast_parameters`: solve the exercise
+# first**, see the end of this notebook.)
 
 # %%
 show(broadcast_parameters.broadcast_from_rank0)
@@ -612,4 +614,4 @@ grep_source(dist_utils._sync_params_and_buffers, "_broadcast_coalesced")
 # `average_gradients` and a bandwidth-optimal `ring_allreduce` from send/recv; in
 # `bucketed_ddp.ipynb` write `broadcast_parameters` and `BucketedDDP`, your own bucketed DDP whose
 # all-reduces overlap backward. Check yourself with `pytest exercises/05_allreduce` from the
-# repository root.
+# repository root (both notebooks), or name one: `pytest exercises/05_allreduce/bucketed_ddp.ipynb`.

@@ -22,7 +22,10 @@ import contextlib
 import math
 import os
 import pickle
+import re
+import sysconfig
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,7 +38,6 @@ from ddpcourse.launcher import RankError, RankFailure, pickle_by_value, run_rank
 # Seconds one check's ranks may take. Correct solutions need well under 1 s; graders of large
 # classes on loaded machines may raise it, CI lowers it to fail hanging submissions faster.
 CHECK_TIMEOUT_S = float(os.environ.get("DDPCOURSE_CHECK_TIMEOUT_S", "15"))
-_HIDDEN_PATH_MARK = HIDDEN_PACKAGE.replace(".", "/")  # frames of grader-only checks
 
 
 class CheckFailed(AssertionError):
@@ -265,35 +267,133 @@ def _in_rank(rank: int, world_size: int, rank_check, payload: bytes, args: tuple
 
 
 def explain(err: RankError, hide_internals: bool, timeout: float) -> str:
-    """What each failed rank did, for the student; ``timeout`` is the deadline the ranks had."""
-    lines = [_explain_one(failure, hide_internals, timeout) for failure in err.failures
-             if failure.kind != "stopped"]
-    # every rank "stopped": the launcher ended them all (its deadline for the whole call)
-    return "\n".join(lines) or "\n".join(failure.headline() for failure in err.failures)
+    """What each failed rank did, for the student; ``timeout`` is the deadline the ranks had.
+
+    Frames of the grader's own code (this package, the autograder, the launcher) are left out of
+    every traceback and stack, visible checks' and hidden ones' alike (``hide_internals`` is
+    kept for the callers that pass it): their paths, line numbers and arguments say nothing about
+    the student's code. A rank that timed out while waiting in the check's own collective, after
+    the student's function had returned, is said to be so, not blamed for the hang."""
+    failures = [failure for failure in err.failures if failure.kind != "stopped"]
+    if not failures:  # every rank "stopped": the launcher ended them all (its deadline)
+        return "\n".join(failure.headline() for failure in err.failures)
+    lines = [_explain_one(failure, timeout) for failure in failures]
+    if any(failure.kind == "timeout" for failure in failures):
+        lines.append(TIMEOUT_HINT)
+    return "\n".join(lines)
 
 
-def _explain_one(failure: RankFailure, hide_internals: bool, timeout: float) -> str:
+TIMEOUT_HINT = (
+    "A deadlock? Every send needs a matching recv on the peer, and every rank must make the same "
+    "collectives in the same order: a collective that not every rank calls (e.g. one inside "
+    "`if rank == 0`) waits forever. Or an endless loop.")
+
+
+def _explain_one(failure: RankFailure, timeout: float) -> str:
     rank = f"rank {failure.rank}"
     if failure.kind == "raised" and failure.exc_type in ("CheckFailed", "TamperingError"):
         return f"{rank}: {failure.message}"
     if failure.kind == "raised":
-        trace = _without_internals(failure.traceback) if hide_internals else failure.traceback
-        return f"{rank}: your code raised {failure.exc_type}: {failure.message}\n{trace}"
+        return (f"{rank}: your code raised {failure.exc_type}: {failure.message}\n"
+                f"{without_grader_frames(failure.traceback)}")
     if failure.kind == "timeout":
-        stack = _without_internals(failure.stack) if hide_internals else failure.stack
-        return (f"{rank}: did not finish within {timeout:g} s (a deadlock? every send "
-                f"needs a matching recv on the peer; or an endless loop). Where it was:\n{stack}")
+        waiting_in = grader_collective_waited_in(failure.stack)
+        if waiting_in:
+            return (f"{rank}: did not finish within {timeout:g} s, but not in your code: your "
+                    f"function had returned, and this rank was waiting in the check's own "
+                    f"{waiting_in}, which every rank makes after your function, for the ranks "
+                    "still in your code (or for a collective your code left pending)")
+        stack = without_grader_frames(_CURRENT_THREAD.sub("", failure.stack))
+        if not ran_student_code(failure.stack):
+            return (f"{rank}: did not finish within {timeout:g} s, and was not in your code: it "
+                    "had not reached your function yet (starting up on a busy machine?). Where "
+                    f"it was (innermost frame first):\n{stack}")
+        return (f"{rank}: did not finish within {timeout:g} s. Where it was (innermost frame "
+                f"first):\n{stack}")
     return f"{rank}: {failure.message or failure.headline()}"
 
 
-def _without_internals(text: str) -> str:
+# --- the grader's frames, told apart from the student's and the libraries' -----------------------
+
+_COURSE_ROOT = Path(__file__).resolve().parents[2]
+_GRADER_DIRS = tuple(str(_COURSE_ROOT / part) + os.sep for part in ("ddpcourse", "autograder"))
+# The grader's broker stands in for gloo when a class is graded: its frames are communication.
+_COMMUNICATION_FILES = (os.path.join("torch", "distributed") + os.sep,
+                        os.path.join("ddpcourse", "grading", "relay.py"))
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[key] + os.sep for key in ("stdlib", "purelib",
+                                                                          "platlib")})
+_HIDDEN_PATH_MARK = HIDDEN_PACKAGE.replace(".", os.sep) + os.sep  # wherever they are installed
+_CURRENT_THREAD = re.compile(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):\n",
+                             re.MULTILINE)
+_FRAME = re.compile(r'^(\s*)File "([^"]+)", line (\d+)(,? in .*)$')
+
+
+def _frame_kind(path: str) -> str:
+    """"communication", "grader", "library" or "student" (anything else: a notebook cell, or a
+    module the student wrote)."""
+    if any(part in path for part in _COMMUNICATION_FILES):
+        return "communication"
+    if path.startswith(_GRADER_DIRS) or _HIDDEN_PATH_MARK in path:
+        return "grader"
+    if path.startswith(_LIBRARY_DIRS) or path.startswith("<frozen"):
+        return "library"
+    return "student"
+
+
+def _short_path(path: str) -> str:
+    """A library's file relative to where it is installed (``torch/distributed/...``)."""
+    for directory in sorted(_LIBRARY_DIRS, key=len, reverse=True):
+        if path.startswith(directory):
+            return path[len(directory):]
+    return path
+
+
+def without_grader_frames(text: str) -> str:
+    """A traceback (``File "...", line N, in f`` and its source line) or a faulthandler stack
+    (``File "...", line N in f``) without the grader's frames, library paths shortened."""
     kept, skipping = [], False
     for line in text.splitlines():
-        if line.strip().startswith("File "):
-            skipping = _HIDDEN_PATH_MARK in line
+        match = _FRAME.match(line)
+        if match:
+            indent, path, number, rest = match.groups()
+            skipping = _frame_kind(path) == "grader"
+            line = f'{indent}File "{_short_path(path)}", line {number}{rest}'
+        elif not line.startswith((" ", "\t")):
+            skipping = False  # a thread's header, "Traceback ...", or the exception's own line
         if not skipping:
             kept.append(line)
     return "\n".join(kept)
+
+
+def ran_student_code(stack: str) -> bool:
+    """Whether any thread of a stack is in the student's code, or the stack is unknown (then
+    the rank is not said to be elsewhere)."""
+    frames = [_FRAME.match(line) for line in stack.splitlines()]
+    paths = [match.group(2) for match in frames if match]
+    return not paths or any(_frame_kind(path) == "student" for path in paths)
+
+
+def grader_collective_waited_in(stack: str) -> str | None:
+    """The collective a timed-out rank was waiting in (``all_reduce (probe_group)``: the
+    collective, and the grader's function that made it) when that wait was the grader's own, after the student's function had returned: the main thread's innermost frames
+    are communication, and the first frame outside the libraries is the grader's. None otherwise
+    (the rank was in the student's code, or starting)."""
+    main_thread = stack.split("\nThread 0x")[0]
+    collective = None
+    for line in main_thread.splitlines():  # innermost first
+        match = _FRAME.match(line)
+        if not match:
+            continue
+        path, function = match.group(2), match.group(4).split(" in ", 1)[-1].strip()
+        kind = _frame_kind(path)
+        if kind == "communication":
+            if not function.startswith("_") and function not in ("wrapper", "wait"):
+                collective = function
+        elif kind == "grader":
+            return f"{collective} ({function})" if collective else None
+        elif kind == "student":
+            return None
+    return None
 
 
 def observed(observation: Any, key: str, kind: type | tuple[type, ...]) -> Any:
@@ -351,8 +451,11 @@ def type_name(value: Any) -> str:
 
 
 def expect_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5,
-                 atol: float = 1e-6) -> None:
-    """Raise CheckFailed saying where and by how much ``actual`` differs from ``expected``."""
+                 atol: float = 1e-6, world_size: int | None = None) -> None:
+    """Raise CheckFailed saying where and by how much ``actual`` differs from ``expected``.
+
+    ``expected`` a mean over ``world_size`` ranks: a result that is exactly ``world_size`` times
+    it (a sum) is said to be so, with the question the student should ask."""
     if actual.shape != expected.shape:
         raise CheckFailed(f"{what}: expected shape {tuple(expected.shape)}, got "
                           f"{tuple(actual.shape)}")
@@ -368,7 +471,25 @@ def expect_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: 
         raise CheckFailed(
             f"{what}: expected {_preview(expected)}, got {_preview(actual)} (largest difference "
             f"{diff.reshape(-1)[worst].item():.3g} at flat index {worst})"
+            + (divide_hint(world_size) if is_multiple(actual, expected, world_size, rtol, atol)
+               else "")
         )
+
+
+def divide_hint(world_size: int) -> str:
+    return (f"; that is exactly {world_size} times the expected value, and {world_size} is the "
+            "world size: did you divide the sum?")
+
+
+def is_multiple(actual: torch.Tensor, expected: torch.Tensor, factor: int | None, rtol: float,
+                atol: float) -> bool:
+    """Whether ``actual`` is ``factor`` times ``expected`` (floats, to the given tolerance)
+    while differing from it: a sum where a mean was due."""
+    if not factor or factor < 2 or not expected.dtype.is_floating_point:
+        return False
+    scaled = expected.double() * factor
+    return (not torch.allclose(actual.double(), expected.double(), rtol=rtol, atol=atol)
+            and torch.allclose(actual.double(), scaled, rtol=rtol, atol=atol * factor))
 
 
 def _preview(t: torch.Tensor, n: int = 6) -> str:

@@ -63,6 +63,9 @@ def ranks_from_env(env: Mapping[str, str]) -> tuple[int, int, int]:
 
     Never return a default such as rank 0.
 
+    Values are read as Python's `int()` reads a string: `"3"`, `" 3"`, `"+3"` and `"03"` are 3;
+    anything `int()` refuses (`"3.0"`, `"one"`, `""`) is not an integer.
+
     Args:
         env: any `Mapping[str, str]` (`os.environ`, a dict, ...).
 
@@ -119,7 +122,8 @@ checks.check_ranks_from_env_reads_torchrun_and_slurm(ranks_from_env)
 print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-ranks-from-env-never-defaults", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
-# Test (1 point): missing variables raise ValueError naming them - never a default of rank 0.
+# Test (1 point): ValueError, never a default of rank 0: missing variables (naming every one),
+# RANK == WORLD_SIZE, a value int() cannot read.
 from ddpcourse.grading import integrity
 from ddpcourse.grading.exercises import ranks_from_env as checks
 integrity.assert_untampered()

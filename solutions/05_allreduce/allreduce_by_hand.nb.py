@@ -25,8 +25,8 @@
 # `run_ranks` does it in every rank (in the notebook's own kernel it would wait forever, so the setup
 # cell makes it raise instead).
 #
-# **Self-check** from the repository root: `pytest exercises/05_allreduce` runs this notebook and
-# reports each visible test. Hidden tests (edge cases) run when the notebook is graded.
+# **Self-check** from the repository root: `pytest exercises/05_allreduce/allreduce_by_hand.ipynb` runs this
+# notebook and reports each visible test (`pytest exercises/05_allreduce` runs part 2 too). Hidden tests (edge cases) run when the notebook is graded.
 #
 # **Rules.** Keep the function names and signatures exactly as given (they are the grading contract).
 # Do not reassign library functions (`dist.all_reduce = ...`, `run_ranks = ...`): the tests check

@@ -30,7 +30,8 @@
 # initialised from different seeds would otherwise train different models with averaged gradients.
 #
 # As in part 1, the tests run your code in real process groups (`run_ranks`; do not call
-# `init_process_group` here). **Self-check:** `pytest exercises/05_allreduce`.
+# `init_process_group` here). **Self-check:** `pytest exercises/05_allreduce/bucketed_ddp.ipynb`
+# (`pytest exercises/05_allreduce` runs part 1 too).
 
 # %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Setup - locked. Run it first, and keep it the FIRST code cell: the tests rely on it.
@@ -151,12 +152,16 @@ class BucketedDDP(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, bucket_cap_mb: float):
         """Wrap `module`: broadcast rank 0's state, then put the parameters into buckets.
 
-        First call `broadcast_parameters(module)`. Then put the parameters that require
-        gradients into buckets, walking `module.parameters()` in reverse order: add parameters
-        to the current bucket until the next one would take it over `bucket_cap_mb` MiB
-        (`bucket_cap_mb * 1024 * 1024` bytes, as DDP counts), then start a new bucket. A
-        parameter larger than the cap gets a bucket of its own (so a tiny cap means one
-        parameter per bucket). All of a model's parameters have one dtype.
+        First call `broadcast_parameters(module)` (by that name: the tests of this class give
+        it a known-good one, so that a mistake there costs only part 3's points). Then put the
+        parameters that require gradients into buckets, walking `module.parameters()` in
+        reverse order: add parameters to the current bucket until the next one would take it
+        over `bucket_cap_mb` MiB (`bucket_cap_mb * 1024 * 1024` bytes, as DDP counts), then
+        start a new bucket. A bucket may hold exactly the cap: start a new one only when the
+        bucket's bytes plus the next parameter's would be *more* than the cap (`>`, not `>=`).
+        A parameter larger than the cap gets a bucket of its own (so a tiny cap means one
+        parameter per bucket). All of a model's parameters have one dtype. Keep the buckets
+        however you like: the tests look at your all-reduces, not at your attributes.
 
         Args:
             module: the model to wrap; it keeps its parameters.
@@ -238,12 +243,14 @@ def try_bucketed(rank, world_size):
     wrapped = BucketedDDP(model, bucket_cap_mb=0.0001)
     wrapped(torch.randn(3, 4)).sum().backward()
     wrapped.finish_gradient_synchronization()
-    return [len(bucket) for bucket in getattr(wrapped, "buckets", [])], model[0].weight.grad[0]
+    return model[0].weight.grad[0]
 
-run_ranks(try_bucketed, 2, timeout=15, backend="gloo")  # CPU tensors: gloo, also on GPUs
+first_rows = run_ranks(try_bucketed, 2, timeout=15, backend="gloo")  # CPU tensors: gloo, also on GPUs
+print(first_rows, "same on both ranks:", torch.equal(*first_rows))
 
 # %% nbgrader={"grade": true, "grade_id": "test-bucketed-ddp-matches-one-process", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-# Test (3 points): 2 ranks, 3 SGD steps: gradients and weights equal one process on the whole batch.
+# Test (3 points): 2 ranks, 3 SGD steps: rank 0's state after construction, then gradients and
+# weights equal one process on the whole batch.
 from ddpcourse.grading import integrity
 from ddpcourse.grading.exercises import bucketed_ddp as checks
 integrity.assert_untampered()
@@ -251,7 +258,8 @@ checks.check_bucketed_ddp_matches_one_process(BucketedDDP)
 print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-bucketed-ddp-one-allreduce-per-bucket", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-# Test (2 points): caps of 1e-6, 0.0015 and 25 MiB: one all-reduce per bucket, of the bucket's size.
+# Test (2 points): caps of 1e-6 MiB, exactly 1292 bytes (the first bucket fills it) and 25 MiB:
+# one all-reduce per bucket, of the bucket's size (the gradients' values are the test above's).
 from ddpcourse.grading import integrity
 from ddpcourse.grading.exercises import bucketed_ddp as checks
 integrity.assert_untampered()
@@ -259,7 +267,7 @@ checks.check_bucketed_ddp_one_allreduce_per_bucket(BucketedDDP)
 print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-bucketed-ddp-overlaps-backward", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-# Test (2 points): complete buckets are all-reduced during backward, not after it.
+# Test (2 points): complete buckets are all-reduced during backward, not after it (only when they start is judged).
 from ddpcourse.grading import integrity
 from ddpcourse.grading.exercises import bucketed_ddp as checks
 integrity.assert_untampered()

@@ -100,7 +100,10 @@ def shard_indices(dataset_len: int, num_replicas: int, rank: int, shuffle: bool 
 
     Raises:
         ValueError: when `rank` is not in `[0, num_replicas)`, as the sampler does; since no rank
-            can satisfy that when `num_replicas < 1`, that is a `ValueError` too.
+            can satisfy that when `num_replicas < 1`, that is a `ValueError` too. These are the
+            only bad arguments the tests pass (visible: `rank == num_replicas`, a negative rank,
+            `num_replicas = 0`); a negative `dataset_len` or a non-integer argument is never
+            passed, so what you do with it is up to you.
     """
     ### BEGIN SOLUTION
     if num_replicas < 1:
@@ -152,7 +155,7 @@ checks.check_shard_indices_shuffled(shard_indices)
 print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-shard-indices-drop-last-and-bad-ranks", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
-# Test (1 point): drop_last on 2 and 3 ranks; ValueError for a rank outside the world.
+# Test (1 point): drop_last on 2 and 3 ranks; ValueError for a rank outside the world and for num_replicas 0.
 from ddpcourse.grading import integrity
 from ddpcourse.grading.exercises import sampler_by_hand as checks
 integrity.assert_untampered()

@@ -96,7 +96,8 @@ def judge_average_gradients(observations, world_size, dtype_name="float32", awkw
                 raise CheckFailed(f"parameter {name!r}: its .grad became None")
             else:
                 expect_close(grads[name], expected[name],
-                             f"{name}.grad (mean over {world_size} ranks)", rtol, atol)
+                             f"{name}.grad (mean over {world_size} ranks)", rtol, atol,
+                             world_size)
             expect_close(weights[name], p.detach(), f"parameter {name!r} itself (must not change)",
                          0.0, 0.0)
 
@@ -107,11 +108,13 @@ AVERAGE_GRADIENTS = Case(observe_average_gradients, judge_average_gradients)
 
 
 def check_average_gradients_two_ranks(average_gradients) -> None:
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     run_student(AVERAGE_GRADIENTS, 2, average_gradients)
 
 
 def check_average_gradients_skips_missing(average_gradients) -> None:
     """A frozen bias and an unused layer have no .grad; they must stay that way."""
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     run_student(AVERAGE_GRADIENTS, 2, average_gradients, "float32", True)
 
 
@@ -179,16 +182,19 @@ RING_ALLREDUCE = Case(observe_ring_allreduce, judge_ring_allreduce, audit_traffi
 
 
 def check_ring_allreduce_two_ranks(ring_allreduce) -> None:
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     for shape in [(8,), (7,)]:
         run_student(RING_ALLREDUCE, 2, ring_allreduce, shape)
 
 
 def check_ring_allreduce_world_sizes(ring_allreduce) -> None:
     """3 and 4 ranks, lengths not divisible by the world size, and fewer elements than ranks."""
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     for world_size in (3, 4):
         for shape in [(10,), (2,), (world_size * 5,)]:
             run_student(RING_ALLREDUCE, world_size, ring_allreduce, shape)
 
 
 def check_ring_allreduce_is_bandwidth_optimal(ring_allreduce) -> None:
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     run_student(RING_ALLREDUCE, 4, ring_allreduce, (1000,), "float32", 0, True)

@@ -227,31 +227,42 @@ VISIBLE_CASES = [
                "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"}, (2, 0, 4),
      "torchrun under srun (torchrun's variables win)"),
 ]
+# Every requirement of the task's "Raises" has a visible case (the hidden ones vary them).
 MISSING_CASES = [
     ("error", {}, TORCHRUN + SLURM, "empty environment"),
     ("error", {"RANK": "1", "WORLD_SIZE": "2"}, ("LOCAL_RANK",),
      "torchrun variables without LOCAL_RANK"),
     ("error", {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, ("SLURM_LOCALID",),
      "SLURM variables without SLURM_LOCALID"),
+    ("error", {"RANK": "1"}, ("LOCAL_RANK", "WORLD_SIZE"),
+     "only RANK (the message names every missing variable)"),
+    ("error", {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, ("RANK",),
+     "RANK equal to WORLD_SIZE"),
+    ("error", {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2.0"},
+     ("SLURM_NTASKS",), "a SLURM_NTASKS that int() does not read"),
 ]
 
 
 def check_ranks_from_env_reads_torchrun_and_slurm(ranks_from_env) -> None:
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     run_student(ENVIRONMENTS, 1, ranks_from_env, VISIBLE_CASES)
 
 
 def check_ranks_from_env_never_defaults(ranks_from_env) -> None:
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     run_student(ENVIRONMENTS, 1, ranks_from_env, MISSING_CASES)
 
 
 def run_launched(ranks_from_env, world_size: int, scheduler: str, **kwargs) -> None:
     """``world_size`` processes under a torchrun-like (or SLURM-like) launcher; a fresh token
     names the store file their group shares."""
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     run_student(LAUNCHED, world_size, ranks_from_env, scheduler, secrets.token_hex(8),
                 init_process_group=False, **kwargs)
 
 
 def check_ranks_from_env_in_real_processes(ranks_from_env) -> None:
     """4 processes under a torchrun-like launcher, then under a SLURM-like one."""
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     run_launched(ranks_from_env, 4, "torchrun")
     run_launched(ranks_from_env, 4, "slurm")

@@ -226,20 +226,24 @@ SHUFFLED = [(10, {}), (11, {}), (10, {"epoch": 1}), (11, {"epoch": 1}),
             (11, {"seed": 1, "epoch": 1})]
 DROP_LAST = [(11, {"drop_last": True}), (11, {"shuffle": False, "drop_last": True}),
              (10, {"epoch": 1, "drop_last": True})]
-BAD_RANKS = [((10, 2, 2), "rank == num_replicas"), ((10, 3, -1), "a negative rank")]
+BAD_RANKS = [((10, 2, 2), "rank == num_replicas"), ((10, 3, -1), "a negative rank"),
+             ((10, 0, 0), "num_replicas 0")]  # every kind of bad argument the task names
 
 
 def check_shard_indices_without_shuffle(shard_indices) -> None:
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     for world_size in (2, 3):
         run_student(SHARDS, world_size, shard_indices, NO_SHUFFLE)
 
 
 def check_shard_indices_shuffled(shard_indices) -> None:
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     for world_size in (2, 3):
         run_student(SHARDS, world_size, shard_indices, SHUFFLED)
 
 
 def check_shard_indices_drop_last_and_bad_ranks(shard_indices) -> None:
+    __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     for world_size in (2, 3):
         run_student(SHARDS, world_size, shard_indices, DROP_LAST)
     run_student(BAD_ARGUMENTS, 1, shard_indices, BAD_RANKS, init_process_group=False)
