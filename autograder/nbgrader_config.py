@@ -3,8 +3,12 @@
 Used two ways:
 * ``python -m autograder ...`` loads this file and points the course directory at a private work
   folder per student (see autograder/grade.py);
-* instructors may also call nbgrader directly from the repository root:
-  ``nbgrader generate_assignment 05_allreduce --config autograder/nbgrader_config.py``.
+* instructors may also call nbgrader's own commands from the repository root, naming this file
+  without its ``.py`` (nbgrader 0.9.6 has no ``--config`` option; see autograder/README.md, "Using
+  nbgrader's own commands"):
+  ``nbgrader autograde 05_allreduce --JupyterApp.config_file=autograder/nbgrader_config``.
+  Then the course directory is the repository, submissions are read from
+  ``autograder/course/submitted/`` and the course gradebook is ``autograder/course/gradebook.db``.
 
 Timeouts, from the inside out: a check's ``run_ranks`` call gives up after 15 s
 (ddpcourse.grading.checks.CHECK_TIMEOUT_S); a test cell makes at most 12 such calls, one at a time,
@@ -28,6 +32,19 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+# The student's kernel must import the hidden checks (`from autograder.hidden import SLUG`), which
+# are not an installed package: ipykernel runs this line before the notebook (nbclient passes
+# `extra_arguments` to the kernel's command line). First on the path, so that a folder named
+# `autograder` handed in with a submission (copied next to the notebook) cannot stand in for them.
+c.Execute.extra_arguments = [
+    f"--IPKernelApp.exec_lines=__import__('sys').path.insert(0, {str(REPO)!r})"]
+
+# The gradebook's folder (ignored by git): sqlite creates the file, not its folder.
+try:
+    (REPO / "autograder/course").mkdir(exist_ok=True)
+except OSError:  # a read-only checkout: nbgrader says so when it opens the gradebook
+    pass
+
 c.CourseDirectory.root = str(REPO)
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "exercises"
@@ -47,6 +64,16 @@ c.Execute.interrupt_on_timeout = True
 c.Execute.startup_timeout = 120  # these Execute settings apply to CappedExecute too
 
 # nbgrader's own list (nbgrader.converters.Autograde), with Execute replaced by CappedExecute.
+# After nbgrader's own sanitizing (which restores the test cells from the gradebook), refuse to
+# grade a notebook whose hidden-test cells would fail to import their checks: an error, not 0 points.
+c.Autograde.sanitize_preprocessors = [
+    "nbgrader.preprocessors.ClearOutput",
+    "nbgrader.preprocessors.DeduplicateIds",
+    "nbgrader.preprocessors.OverwriteKernelspec",
+    "nbgrader.preprocessors.OverwriteCells",
+    "nbgrader.preprocessors.CheckCellMetadata",
+    "autograder.nbgrader_api.RequireHiddenChecks",
+]
 c.Autograde.autograde_preprocessors = [
     "autograder.capped_execute.CappedExecute",
     "nbgrader.preprocessors.IgnorePattern",
