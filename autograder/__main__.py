@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where grades.csv, feedback/ and work/ go (default autograder/course)")
     grade.add_argument("--jobs", type=int, default=None,
                        help="submissions graded at once (default: number of CPU cores)")
+    grade.add_argument("--student", action="append", metavar="NAME",
+                       help="grade only this student (repeat for several); their rows, feedback "
+                            "and logs in OUT are replaced, everyone else's kept")
     grade.add_argument("--shard", type=Shard.parse, default=Shard(), metavar="I/N",
                        help="grade only shard I of N: every N-th student of the sorted student "
                             "ids, from the I-th (default 1/1, the whole class); join the shards' "
@@ -61,8 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         return student_repo.run(opts)
     if opts.command == "merge":
         return merge(opts.outputs, opts.out)
-    from autograder.grade import grade_class, print_summary
+    from autograder.grade import GradingRefused, grade_class, print_summary
     from autograder.worker import SANDBOX_POLICY
+
+    if opts.student and opts.shard.count > 1:
+        print("Refusing to grade: --student and --shard together; re-grade students into the "
+              "merged output of the shards", file=sys.stderr)
+        return 2
 
     try:
         sandbox.resolve(opts.sandbox, sandbox.bwrap_problem)
@@ -71,9 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ[SANDBOX_POLICY] = opts.sandbox  # the workers inherit it
 
-    results = grade_class(opts.submissions, opts.assignment, opts.out, jobs=opts.jobs,
-                          cell_timeout=opts.cell_timeout, student_timeout=opts.student_timeout,
-                          shard=opts.shard)
+    try:
+        results = grade_class(opts.submissions, opts.assignment, opts.out, jobs=opts.jobs,
+                              cell_timeout=opts.cell_timeout,
+                              student_timeout=opts.student_timeout, shard=opts.shard,
+                              students=opts.student)
+    except GradingRefused as refused:
+        print(f"Refusing to grade: {refused}", file=sys.stderr)
+        return 2
     print_summary(results, opts.out)
     return 0
 

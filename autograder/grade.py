@@ -1,7 +1,7 @@
 """Grade a class: one isolated worker per submission, several at once, one CSV at the end.
 
     python -m autograder grade SUBMISSIONS --assignment 05_allreduce [--out autograder/course]
-                               [--shard I/N]
+                               [--student NAME ...] [--shard I/N]
 
 ``SUBMISSIONS`` is nbgrader's ``submitted/`` layout: ``SUBMISSIONS/{student}/{assignment}/*.ipynb``.
 Each student is graded by ``autograder/worker.py`` in its own process session, course directory
@@ -9,9 +9,20 @@ and gradebook, so submissions run in parallel with nothing shared (the ranks of 
 through private FileStores: no ports). A worker that passes ``--student-timeout`` is killed with
 everything it started; this process is a child subreaper, so even processes a kernel leaves behind
 come back to it and are killed. Results: ``OUT/grades.csv`` (nbgrader export's columns, then
-``status``, ``flags``, ``notes`` and one column per test cell), ``OUT/feedback/{student}/
-{assignment}/*.html``, and a summary table on stdout. ``--shard I/N`` grades one shard of the
-class; ``python -m autograder merge`` joins the shards' outputs (``autograder/merge.py``).
+``status``, ``flags``, ``notes``, and each notebook's subtotal and test cells: see
+``autograder/gradesheet.py``), ``OUT/feedback/{student}/{assignment}/*.html`` (a page for every
+notebook of the assignment, handed in or not, each opening with the assignment's total),
+``OUT/work/``, ``OUT/summary.json``, and a summary table on stdout.
+
+**Nothing is lost.** A run grades into folders of its own inside ``OUT`` (the sandbox hides
+``OUT`` from the students' kernels, these folders included) and touches ``OUT``'s results only
+once every submission is graded: then it replaces the feedback, log and work folder of each
+student it graded, and rewrites ``grades.csv`` and ``summary.json`` with their new rows and
+everyone else's rows as they were (``autograder/merge.py``'s :func:`update_output`). So
+``--student bob`` re-grades bob alone, and grading a few late submissions into the class's
+``OUT`` adds their rows. Every file is replaced by a rename, ``summary.json`` last; an
+interrupted run leaves ``OUT``'s results as they were. ``--shard I/N`` grades one shard of the
+class; ``python -m autograder merge`` joins the shards' outputs.
 """
 
 from __future__ import annotations
@@ -27,11 +38,17 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
-from autograder.merge import DEFAULT_EXPORT_COLUMNS, Shard
+import nbformat
+
+from autograder import gradesheet
+from autograder.merge import (DEFAULT_EXPORT_COLUMNS, FIXED_COLUMNS, MergeError, Shard,
+                              check_updatable, load, update_output)
 from autograder.nbgrader_api import REPO
-from autograder.notices import write_notice
+from autograder.notices import add_summary, assignment_summary, write_missing_notice, write_notice
+from autograder.trusted import GRADER_NOTE
 from ddpcourse.launcher.processes import kill_process_group, live_descendants, process_table
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -43,15 +60,62 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def find_submissions(submissions: Path, assignment: str) -> dict[str, Path]:
+class GradingRefused(Exception):
+    """Why a grading run would grade nothing, or could not keep OUT's results: nothing written."""
+
+
+def _student_folders(submissions: Path) -> list[Path]:
     if (submissions / "submitted").is_dir():
         submissions = submissions / "submitted"
-    found = {}
-    for student_dir in sorted(p for p in submissions.iterdir() if p.is_dir()):
-        folder = student_dir / assignment
-        if folder.is_dir():
-            found[student_dir.name] = folder
-    return found
+    if not submissions.is_dir():
+        return []
+    return sorted(p for p in submissions.iterdir() if p.is_dir())
+
+
+def find_submissions(submissions: Path, assignment: str) -> dict[str, Path]:
+    return {student_dir.name: student_dir / assignment
+            for student_dir in _student_folders(submissions)
+            if (student_dir / assignment).is_dir()}
+
+
+def _assignments_found(submissions: Path) -> str:
+    counts: dict[str, int] = {}
+    for student_dir in _student_folders(submissions):
+        for folder in student_dir.iterdir():
+            if folder.is_dir():
+                counts[folder.name] = counts.get(folder.name, 0) + 1
+    if not counts:
+        return (f"{submissions} holds no submission at all (nbgrader's layout: "
+                "SUBMISSIONS/{student}/{assignment}/*.ipynb)")
+    return f"{submissions} holds: " + ", ".join(
+        f"{name} ({count} student{'s' if count > 1 else ''})" for name, count in sorted(counts.items()))
+
+
+def plan(submissions: Path, assignment: str, out: Path, students: list[str] | None = None,
+         shard: Shard = Shard()) -> tuple[dict[str, Path], list[str], object]:
+    """The class's submissions, the students this run grades, and OUT's earlier results (None
+    if it has none); GradingRefused, before anything is written, when there is nothing to grade
+    or OUT's results could not be kept."""
+    found = find_submissions(submissions, assignment)
+    if not found:
+        raise GradingRefused(f"no submission of {assignment}: {_assignments_found(submissions)}")
+    if students:
+        unknown = sorted(set(students) - set(found))
+        if unknown:
+            raise GradingRefused(
+                f"no submission of {assignment} from {', '.join(unknown)} in {submissions}; the "
+                f"students who handed it in: {', '.join(sorted(found))}")
+        chosen = sorted(set(students))
+    else:
+        chosen = shard.select(found)
+    previous = None
+    if (out / "summary.json").exists() or (out / "grades.csv").exists():
+        try:
+            previous = load(out)
+            check_updatable(previous, assignment, shard, sorted(found))
+        except MergeError as problem:
+            raise GradingRefused(f"--out {out}: {problem}") from None
+    return found, chosen, previous
 
 
 class CappedLog:
@@ -138,17 +202,21 @@ class CappedLog:
 
 
 class _Worker:
-    def __init__(self, student: str, submission: Path, assignment: str, out: Path,
+    """One student's grading worker. Its files go to ``root`` (a folder directly inside OUT, so
+    that the worker's sandbox, which hides the parent of ``root``, hides OUT whole):
+    ``root/{student}/`` (its course directory), ``{student}.log``, ``.job.json``, ``.result.json``."""
+
+    def __init__(self, student: str, submission: Path, assignment: str, root: Path,
                  cell_timeout: int | None, student_timeout: float):
         self.student = student
-        work = out / "work" / student
-        work.parent.mkdir(parents=True, exist_ok=True)
-        self.result_path = out / "work" / f"{student}.result.json"
+        work = root / student
+        root.mkdir(parents=True, exist_ok=True)
+        self.result_path = root / f"{student}.result.json"
         self.result_path.unlink(missing_ok=True)
-        self.log_path = out / "work" / f"{student}.log"
+        self.log_path = root / f"{student}.log"
         job = {"student": student, "assignment": assignment, "submission": str(submission),
                "work": str(work), "result": str(self.result_path), "cell_timeout": cell_timeout}
-        job_path = out / "work" / f"{student}.job.json"
+        job_path = root / f"{student}.job.json"
         job_path.write_text(json.dumps(job))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -164,7 +232,7 @@ class _Worker:
             raise
         self.log.close_write_end()
         self.assignment = assignment
-        self.out = out
+        self.root = root
 
     def poll(self) -> dict | None:
         """None while running; the result once finished (or killed)."""
@@ -189,8 +257,8 @@ class _Worker:
         self.log.close()
 
     def _failed(self, status: str, why: str) -> dict:
-        feedback = self.out / "work" / self.student / "feedback" / self.student / self.assignment
-        for nb in (self.out / "work" / self.student / "submitted" / self.student /
+        feedback = self.root / self.student / "feedback" / self.student / self.assignment
+        for nb in (self.root / self.student / "submitted" / self.student /
                    self.assignment).glob("*.ipynb"):
             write_notice(feedback / f"{nb.stem}.html", self.student, self.assignment, status, why)
         return {"student": self.student, "assignment": self.assignment, "status": status,
@@ -200,12 +268,41 @@ class _Worker:
 
 def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None = None,
                 cell_timeout: int | None = None, student_timeout: float = 1800,
-                shard: Shard = Shard()) -> list[dict]:
+                shard: Shard = Shard(), students: list[str] | None = None) -> list[dict]:
+    """Grade the chosen students (all, a shard, or ``students``) into ``out``, keeping the rows
+    of everyone else already there; return this run's results. GradingRefused: nothing done."""
     _become_subreaper()
     out = out.resolve()
+    found, chosen, previous = plan(submissions.resolve(), assignment, out, students, shard)
     out.mkdir(parents=True, exist_ok=True)
-    found = find_submissions(submissions.resolve(), assignment)
-    pending = [(student, found[student]) for student in shard.select(found)]
+    token = uuid.uuid4().hex[:12]
+    workers, staged = out / f".grading-{token}", out / f".staged-{token}"
+    try:
+        results, jobs, elapsed = _grade_all(chosen, found, assignment, workers, jobs,
+                                            cell_timeout, student_timeout)
+        for result in results:
+            _explain(result, found[result["student"]], workers)
+        _stage(results, assignment, staged, workers, out)
+        record = (shard.record(found) if not students else Shard().record(chosen))
+        (staged / "summary.json").write_text(json.dumps(
+            {"submissions": len(results), "jobs": jobs, "seconds": round(elapsed, 1),
+             "results": results, "assignment": assignment, "shard": record}, indent=2))
+        for result in results:  # each worker's folder and files, then the results
+            for name in (result["student"], f"{result['student']}.job.json",
+                         f"{result['student']}.result.json"):
+                if (workers / name).exists():
+                    _replace(workers / name, out / "work" / name, staged)
+        update_output(out, staged)
+    finally:
+        for folder in (workers, staged):
+            shutil.rmtree(folder, ignore_errors=True)
+    return results
+
+
+def _grade_all(chosen: list[str], found: dict[str, Path], assignment: str, root: Path,
+               jobs: int | None, cell_timeout: int | None, student_timeout: float
+               ) -> tuple[list[dict], int, float]:
+    pending = [(student, found[student]) for student in chosen]
     jobs = jobs or os.cpu_count() or 1
     running: list[_Worker] = []
     results: list[dict] = []
@@ -214,7 +311,7 @@ def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None 
         while pending or running:
             while pending and len(running) < jobs:
                 student, folder = pending.pop(0)
-                running.append(_Worker(student, folder, assignment, out, cell_timeout,
+                running.append(_Worker(student, folder, assignment, root, cell_timeout,
                                        student_timeout))
             for worker in list(running):
                 result = worker.poll()
@@ -227,14 +324,94 @@ def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None 
         for worker in running:
             worker.kill()
         _reap_adopted_orphans([])
-    elapsed = time.monotonic() - started
     results.sort(key=lambda r: r["student"])
-    _collect_feedback(results, out)
-    _write_csv(results, assignment, out)
-    (out / "summary.json").write_text(json.dumps(
-        {"submissions": len(results), "jobs": jobs, "seconds": round(elapsed, 1),
-         "results": results, "assignment": assignment, "shard": shard.record(found)}, indent=2))
-    return results
+    return results, jobs, time.monotonic() - started
+
+
+def _replace(source: Path, target: Path, scratch: Path) -> None:
+    """Put ``source`` at ``target`` by renames (a folder's old copy is moved out of the way
+    first, into ``scratch``, which is deleted later)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_dir() and not target.is_symlink():
+        scratch.mkdir(parents=True, exist_ok=True)
+        target.rename(scratch / f".old-{uuid.uuid4().hex}")
+    os.replace(source, target)
+
+
+# --- what each result says besides its scores ----------------------------------------------------
+
+TIMED_OUT = "did not finish within"  # ddpcourse.grading.checks: a rank past the check's deadline
+
+
+def _explain(result: dict, submission: Path, workers: Path) -> None:
+    """Add to a result the notebooks not handed in (``missing``) and notes on them, on notebooks
+    that are not the assignment's, and on test cells whose ranks timed out."""
+    slugs = [notebook.slug for notebook in gradesheet.layout(result["assignment"])]
+    handed_in = sorted(path.stem for path in submission.glob("*.ipynb"))
+    result["missing"] = [slug for slug in slugs if slug not in handed_in]
+    if result.get("max_score") is None:
+        result["max_score"] = gradesheet.max_points(result["assignment"])
+    notes = result["notes"]
+    for notebook in gradesheet.layout(result["assignment"]):
+        if notebook.slug in result["missing"]:
+            notes.append(f"missing: {notebook.slug} (not handed in: 0 of {notebook.points:g})")
+    extra = [name for name in handed_in if name not in slugs]
+    if extra:
+        notes.append(f"not notebooks of {result['assignment']}, not graded: "
+                     + ", ".join(f"{name}.ipynb" for name in extra))
+    autograded = (workers / result["student"] / "autograded" / result["student"]
+                  / result["assignment"])
+    timed_out = [f"{path.stem}:{grade_id}" for path in sorted(autograded.glob("*.ipynb"))
+                 for grade_id in _timed_out_cells(path)]
+    if timed_out:
+        notes.append(f"timed out (ranks past the check's deadline): {', '.join(timed_out)}")
+
+
+def _timed_out_cells(notebook: Path) -> list[str]:
+    """The graded cells whose grader's verdict says a rank did not finish in time."""
+    try:
+        cells = nbformat.read(notebook, as_version=4).cells
+    except Exception:  # noqa: BLE001 - an unreadable notebook has no verdicts to report
+        return []
+    found = []
+    for cell in cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if cell.cell_type != "code" or grade_id is None:
+            continue
+        verdicts = [output.get("text", "") for output in cell.get("outputs", [])
+                    if output.get("output_type") == "stream"
+                    and output.get("text", "").startswith(GRADER_NOTE)]
+        if any("FAILED" in text and TIMED_OUT in text for text in verdicts):
+            found.append(grade_id)
+    return found
+
+
+def _stage(results: list[dict], assignment: str, staged: Path, workers: Path, out: Path) -> None:
+    """This run's output in ``staged``, as merge.load reads it: feedback (with a page for every
+    notebook not handed in and the total atop every page), the workers' logs, grades.csv."""
+    for result in results:
+        student = result["student"]
+        source = Path(result["feedback"])
+        target = staged / "feedback" / student / assignment
+        if source.is_dir():
+            shutil.copytree(source, target)
+        target.mkdir(parents=True, exist_ok=True)
+        handed_in = sorted(f"{p.stem}.ipynb" for p in target.glob("*.html"))
+        for notebook in gradesheet.layout(assignment):
+            if notebook.slug in result["missing"]:
+                write_missing_notice(target / f"{notebook.slug}.html", student, assignment,
+                                     notebook.slug, notebook.points, handed_in)
+        summary = assignment_summary(
+            assignment, result["score"], gradesheet.max_points(assignment),
+            [(nb.slug, score, nb.points) for nb, score in gradesheet.notebook_scores(result)])
+        for page in sorted(target.glob("*.html")):
+            add_summary(page, summary)
+        result["feedback"] = str(out / "feedback" / student / assignment)
+        log = workers / f"{student}.log"
+        if log.is_file():
+            (staged / "work").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, staged / "work" / log.name)
+    _write_csv(results, assignment, staged, exports=workers)
 
 
 def _reap_adopted_orphans(running: list[_Worker]) -> None:
@@ -265,22 +442,15 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
-def _collect_feedback(results: list[dict], out: Path) -> None:
+def _write_csv(results: list[dict], assignment: str, out: Path, exports: Path | None = None
+               ) -> None:
+    """``out/grades.csv``: each student's nbgrader export row (``exports/{student}/grades.csv``,
+    by default ``out/work/...``), then status, flags, notes, and the columns of
+    ``autograder/gradesheet.py``, whichever students this run had."""
+    exports = exports or out / "work"
+    rows, header, columns = [], None, set()
     for result in results:
-        source = Path(result["feedback"])
-        target = out / "feedback" / result["student"] / result["assignment"]
-        if target.exists():
-            shutil.rmtree(target)
-        if source.is_dir():
-            shutil.copytree(source, target)
-        result["feedback"] = str(target)
-
-
-def _write_csv(results: list[dict], assignment: str, out: Path) -> None:
-    cell_names = sorted({name for r in results for name in r["cells"]})
-    rows, header = [], None
-    for result in results:
-        export = out / "work" / result["student"] / "grades.csv"
+        export = exports / result["student"] / "grades.csv"
         row = {}
         if export.exists():
             with open(export) as f:
@@ -289,17 +459,17 @@ def _write_csv(results: list[dict], assignment: str, out: Path) -> None:
                 row = next((r for r in reader if r["student_id"] == result["student"]), {})
         row.update(assignment=assignment, student_id=result["student"],
                    score=f"{result['score']:g}", status=result["status"],
-                   flags=" | ".join(result["flags"]), notes=" | ".join(result["notes"]))
+                   flags=" | ".join(result["flags"]), notes=" | ".join(result["notes"]),
+                   max_score=f"{gradesheet.max_points(assignment):g}")
         if result["status"] != "graded":
             row["raw_score"] = f"{result['score']:g}"
-        if result.get("max_score") is not None:
-            row["max_score"] = f"{result['max_score']:g}"
-        for name in cell_names:
-            score = result["cells"].get(name)
-            row[name] = "" if score is None else f"{score[0]:g}"
+        scores = gradesheet.score_columns(result)
+        columns.update(scores)
+        row.update(scores)
         rows.append(row)
     base = header or DEFAULT_EXPORT_COLUMNS
-    fields = list(base) + ["status", "flags", "notes"] + cell_names
+    fields = list(base) + FIXED_COLUMNS + gradesheet.order_columns(assignment, columns)
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / "grades.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -321,6 +491,10 @@ def print_summary(results: list[dict], out: Path) -> None:
     if shard["count"] > 1:
         print(f"shard {shard['index']}/{shard['count']}: {len(results)} of the class's "
               f"{len(shard['class'])} students")
-    print(f"{summary['submissions']} submissions in {summary['seconds']} s with "
+    print(f"{len(results)} submissions in {summary['seconds']} s with "
           f"{summary['jobs']} at a time; grades: {out / 'grades.csv'}; feedback: "
           f"{out / 'feedback'}")
+    kept = summary["submissions"] - len(results)
+    if kept:
+        print(f"{out / 'grades.csv'} holds {summary['submissions']} students: the rows of the "
+              f"{kept} not graded in this run are kept as they were")

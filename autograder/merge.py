@@ -23,16 +23,27 @@ another class, and a folder that is not a finished grading output. The outputs m
 be shards: any grading outputs of one assignment with no student in common merge the same way.
 Each kind of result is merged by a step of its own (:data:`MERGE_STEPS`; merging the students'
 gradebooks into one course gradebook would be one more).
+
+**The update** (:func:`update_output`) is how ``grade`` writes its results into ``OUT``, and the
+one place where a student already in ``OUT`` is replaced rather than refused: the run's output
+(staged inside ``OUT``) brings its students' rows, feedback and logs, and ``OUT`` keeps every
+other student's as they were, byte for byte (:func:`check_updatable` says which outputs may be
+updated by which runs). ``merge`` still refuses a student in two outputs: two grading outputs
+do not say which of their rows is the one to keep; a re-grading run does.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from autograder import gradesheet
 
 FIXED_COLUMNS = ["status", "flags", "notes"]  # between nbgrader export's columns and the cells
 # a CSV's first columns where no student of the run has an nbgrader export (grade.py's _write_csv)
@@ -201,10 +212,12 @@ def _check_shards(parts: list[GradingOutput]) -> None:
 
 def merge_csv(parts: list[GradingOutput], out: Path) -> None:
     """One grades.csv as a single run writes it (grade.py's ``_write_csv``): nbgrader export's
-    columns (the default five where no student had an export), status, flags, notes, every test
-    cell in sorted order (empty where a student has no score), rows sorted by student."""
+    columns (the default five where no student had an export), status, flags, notes, the
+    notebooks' subtotal and test cell columns in ``autograder/gradesheet.py``'s order (empty
+    where a student has no score), rows sorted by student."""
     exports = [part.base_columns for part in parts if part.base_columns != DEFAULT_EXPORT_COLUMNS]
-    cells = sorted({cell for part in parts for cell in part.cell_columns})
+    cells = gradesheet.order_columns(parts[0].assignment,
+                                     {cell for part in parts for cell in part.cell_columns})
     fields = (exports or [DEFAULT_EXPORT_COLUMNS])[0] + FIXED_COLUMNS + cells
     rows = sorted((row for part in parts for row in part.rows), key=lambda row: row["student_id"])
     with open(out / "grades.csv", "w", newline="") as f:
@@ -269,3 +282,75 @@ def merge_outputs(paths: list[Path], out: Path) -> dict:
     for step in MERGE_STEPS:
         step(parts, out)
     return json.loads((out / "summary.json").read_text())
+
+
+# --- a grading run's results written into OUT, keeping everyone else's ---------------------------
+
+def check_updatable(previous: GradingOutput, assignment: str, shard: Shard,
+                    whole_class: list[str]) -> None:
+    """MergeError unless a run of ``assignment`` (shard ``shard`` of ``whole_class``) may write
+    its results into ``previous``'s folder: the same assignment, and, where either is a shard,
+    the same shard of the same class (a shard's output holds exactly its shard's students)."""
+    if previous.assignment != assignment:
+        raise MergeError(f"it holds the grades of {previous.assignment}, not {assignment}: grade "
+                         "each assignment into a folder of its own")
+    if previous.shard.count == 1 and shard.count == 1:
+        return
+    if previous.shard != shard or previous.whole_class != sorted(whole_class):
+        raise MergeError(
+            f"it holds shard {previous.shard} of a class of {len(previous.whole_class)}, and this "
+            f"run is shard {shard} of a class of {len(whole_class)}: a shard's output holds "
+            "exactly its shard's students. Grade shards into folders of their own, or merge the "
+            "shards first and re-grade students into the merged output")
+
+
+def _without(part: GradingOutput, students: set[str]) -> GradingOutput:
+    summary = dict(part.summary, results=[result for result in part.summary["results"]
+                                          if result["student"] not in students])
+    rows = [row for row in part.rows if row["student_id"] not in students]
+    return dataclasses.replace(part, summary=summary, rows=rows)
+
+
+def _replace_folder(source: Path, target: Path, scratch: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        target.rename(scratch / f".old-{target.parent.name}-{target.name}")
+    source.rename(target)
+
+
+def update_output(out: Path, staged: Path) -> dict:
+    """Write the grading output ``staged`` (a folder inside ``out``) into ``out``: its students'
+    feedback and logs replace theirs, grades.csv and summary.json get their new rows beside the
+    rows of every other student ``out`` had, unchanged. Each file moves by a rename, summary.json
+    last. Returns the new summary."""
+    new = load(staged)
+    previous = load(out) if (out / "summary.json").exists() else None
+    if previous:
+        check_updatable(previous, new.assignment, new.shard, new.whole_class)
+    # a shard's new output has the same students as its old one (check_updatable): all replaced
+    kept = [_without(previous, set(new.students))] if previous and new.shard.count == 1 else []
+    check_mergeable(kept + [new])  # one assignment, and now no student twice
+    scratch = staged / ".replaced"
+    scratch.mkdir()
+    for student in new.students:
+        relative = Path("feedback") / student / new.assignment
+        if (staged / relative).is_dir():
+            _replace_folder(staged / relative, out / relative, scratch)
+        log = Path("work") / f"{student}.log"
+        if (staged / log).is_file():
+            (out / "work").mkdir(parents=True, exist_ok=True)
+            os.replace(staged / log, out / log)
+    merge_csv(kept + [new], staged)
+    os.replace(staged / "grades.csv", out / "grades.csv")
+    summary = new.summary
+    if kept:
+        results = kept[0].summary["results"] + new.summary["results"]
+        results.sort(key=lambda result: result["student"])
+        summary = dict(previous.summary, results=results, submissions=len(results),
+                       jobs=new.summary.get("jobs"), seconds=new.summary.get("seconds"),
+                       regraded=new.students,
+                       shard=(new.summary["shard"] if new.shard.count > 1 else
+                              Shard().record(result["student"] for result in results)))
+    (staged / "summary.json").write_text(json.dumps(summary, indent=2))
+    os.replace(staged / "summary.json", out / "summary.json")
+    return summary

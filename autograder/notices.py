@@ -1,4 +1,5 @@
-"""The feedback page a student gets when their notebook could not be graded normally.
+"""The feedback pages a student gets besides nbgrader's: a notebook not graded normally or not
+handed in, and the assignment's total at the top of every page.
 
 Written by the grading worker (tampering, a dropped notebook) and by the grading command (a
 worker that timed out or crashed), so that every student always has a page that says why.
@@ -23,3 +24,36 @@ def write_notice(dest: Path, student: str, assignment: str, title: str, body: st
         f"{html.escape(assignment)}</code>, and ask your instructor to grade it again.</p>"
         "</body></html>"
     )
+
+
+def write_missing_notice(dest: Path, student: str, assignment: str, slug: str, points: float,
+                         handed_in: list[str]) -> None:
+    """The page for a notebook of the assignment that the student did not hand in."""
+    others = (f"Your submission holds: {', '.join(handed_in)}." if handed_in
+              else "Your submission holds no notebook.")
+    write_notice(dest, student, assignment, f"{slug} was not handed in",
+                 f"{slug}.ipynb is not in your submission of {assignment}, so it scores 0 of its "
+                 f"{points:g} points. {others}\nIf you did hand it in, check its name: it must be "
+                 f"exactly {slug}.ipynb, in the {assignment} folder.")
+
+
+def assignment_summary(assignment: str, total: float, maximum: float,
+                       notebooks: list[tuple[str, float | None, float]]) -> str:
+    """An HTML block with the assignment's total and each notebook's score (None: not handed in),
+    put at the top of every feedback page of the assignment."""
+    items = "".join(
+        f"<li>{html.escape(slug)}: "
+        + ("not handed in, 0" if score is None else f"{score:g}") + f" of {points:g}</li>"
+        for slug, score, points in notebooks)
+    return ("<div class='assignment-summary' style='border:1px solid #888;padding:0.5em 1em;"
+            "margin:0.5em 0'>"
+            f"<strong>{html.escape(assignment)}: {total:g} of {maximum:g} points</strong>"
+            f"<ul>{items}</ul></div>")
+
+
+def add_summary(page: Path, summary: str) -> None:
+    """Put ``summary`` first in the body of a feedback page (nbgrader's or one of ours)."""
+    text = page.read_text()
+    start = text.find("<body")
+    end = text.find(">", start) + 1 if start >= 0 else 0
+    page.write_text(text[:end] + summary + text[end:])

@@ -1,0 +1,316 @@
+"""Grading never loses results: re-grading some students updates their rows, feedback and logs
+in OUT and leaves everyone else's byte for byte; a notebook not handed in is visible in the CSV
+and in feedback; the CSV's columns follow the assignment's notebooks, with their maximums.
+
+One real grading costs about half a minute per submission here, so the end-to-end test grades two
+of the fake class's students (tests/fake_class) and then re-grades one of them: two grading
+commands. Everything else runs grade.py's own planning, staging, CSV and feedback writers and the
+update, with a stand-in for the workers (``_grade_all``), without grading.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+from test_autograder import processes_marked
+
+from autograder import grade as grade_module
+from autograder import gradesheet
+from autograder.__main__ import main
+from autograder.sources import assignments
+from fake_class import CORRECT, EXPECTED, build, write_class
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSIGNMENT = "05_allreduce"
+pytestmark = pytest.mark.timeout(900)
+
+
+def read_csv(path: Path) -> tuple[list[str], dict[str, dict]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames), {row["student_id"]: row for row in reader}
+
+
+def csv_lines(path: Path) -> dict[str, bytes]:
+    """Each student's line of grades.csv as bytes (student ids are the fake class's: no commas)."""
+    lines = path.read_bytes().split(b"\r\n")
+    header = lines[0].split(b",")
+    at = header.index(b"student_id")
+    return {line.split(b",")[at].decode(): line for line in lines[1:] if line}
+
+
+def files_of(out: Path, student: str) -> dict[str, bytes]:
+    """Every file of a student's feedback, and their log."""
+    files = {str(p.relative_to(out)): p.read_bytes()
+             for p in sorted((out / "feedback" / student).rglob("*")) if p.is_file()}
+    files["log"] = (out / "work" / f"{student}.log").read_bytes()
+    return files
+
+
+# --- the layout of the CSV ----------------------------------------------------------------------
+
+def test_the_columns_follow_the_notebooks_with_their_maximums():
+    columns = gradesheet.layout_columns(ASSIGNMENT)
+    assert columns[0] == "allreduce_by_hand (13)"
+    assert columns[1] == "allreduce_by_hand:test-average-gradients-two-ranks (2)"
+    assert columns[4] == "allreduce_by_hand:test-ring-allreduce-two-ranks (2)"  # not sorted
+    assert columns[8] == "bucketed_ddp (13)" and len(columns) == 2 + 7 + 7
+    assert gradesheet.max_points(ASSIGNMENT) == 26
+    for assignment in assignments():  # every subtotal is the sum of its cells' points
+        for notebook in gradesheet.layout(assignment):
+            assert notebook.cells and notebook.points == sum(p for _, p in notebook.cells)
+
+
+# --- grade.py's writers and the update, with stand-in workers ------------------------------------
+
+def stand_in_workers(scores: dict[str, dict[str, float]], status: dict[str, str] = {}):
+    """A ``_grade_all`` that writes what a worker writes (feedback pages of the notebooks handed
+    in, an nbgrader export, a log) with ``scores[student]`` (grade id -> score) for its cells."""
+    points = {grade_id: p for nb in gradesheet.layout(ASSIGNMENT) for grade_id, p in nb.cells}
+
+    def grade_all(chosen, found, assignment, root, jobs, cell_timeout, student_timeout):
+        results = []
+        for student in chosen:
+            work = root / student
+            feedback = work / "feedback" / student / assignment
+            feedback.mkdir(parents=True)
+            slugs = {nb.slug for nb in gradesheet.layout(assignment)}
+            for notebook in sorted(found[student].glob("*.ipynb")):
+                if notebook.stem not in slugs:
+                    continue  # nbgrader grades only the assignment's notebooks
+                (feedback / f"{notebook.stem}.html").write_text(
+                    f"<html><body><h1>{notebook.stem} of {student}</h1></body></html>")
+            cells = {grade_id: [score, points[grade_id]]
+                     for grade_id, score in scores[student].items()}
+            total = sum(score for score, _ in cells.values())
+            (work / "grades.csv").write_text(
+                "assignment,duedate,timestamp,student_id,last_name,first_name,email,raw_score,"
+                f"late_submission_penalty,score,max_score\n{assignment},,,{student},,,,{total:g},"
+                f"0.0,{total:g},26\n")
+            (root / f"{student}.log").write_text(f"graded {student}: {total:g}")
+            results.append({"student": student, "assignment": assignment,
+                            "status": status.get(student, "graded"), "score": total,
+                            "max_score": 26.0, "cells": cells, "flags": [], "notes": [],
+                            "feedback": str(feedback), "seconds": 1.0})
+        return results, jobs or 1, 2.0
+
+    return grade_all
+
+
+def submit(root: Path, student: str, notebooks=("allreduce_by_hand", "bucketed_ddp"),
+           assignment: str = ASSIGNMENT) -> None:
+    folder = root / "submitted" / student / assignment
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in notebooks:
+        (folder / f"{name}.ipynb").write_text("{}")
+
+
+PART1 = {"test-average-gradients-two-ranks": 2.0, "test-ring-allreduce-two-ranks": 0.0}
+PART2 = {"test-bucketed-ddp-hidden": 3.0}
+
+
+@pytest.fixture
+def small_class(tmp_path, monkeypatch):
+    """ann hands in both notebooks, ben only the first; graded with stand-in workers."""
+    submit(tmp_path, "ann")
+    submit(tmp_path, "ben", ["allreduce_by_hand", "draft"])
+    monkeypatch.setattr(grade_module, "_grade_all", stand_in_workers(
+        {"ann": {**PART1, **PART2}, "ben": PART1}))
+    out = tmp_path / "out"
+    assert main(["grade", str(tmp_path / "submitted"), "--assignment", ASSIGNMENT,
+                 "--out", str(out), "--sandbox", "off"]) == 0
+    return tmp_path, out
+
+
+def test_the_csv_has_subtotals_notebook_order_maximums_and_missing_notes(small_class):
+    _, out = small_class
+    header, rows = read_csv(out / "grades.csv")
+    assert header[header.index("notes") + 1:] == gradesheet.layout_columns(ASSIGNMENT)
+    ann, ben = rows["ann"], rows["ben"]
+    assert (ann["allreduce_by_hand (13)"], ann["bucketed_ddp (13)"], ann["score"]) == ("2", "3", "5")
+    assert ann["allreduce_by_hand:test-average-gradients-two-ranks (2)"] == "2"
+    assert ann["allreduce_by_hand:test-ring-allreduce-two-ranks (2)"] == "0"
+    assert ann["allreduce_by_hand:test-ring-allreduce-hidden (3)"] == ""  # no score: empty
+    assert ann["notes"] == "" and ann["max_score"] == ben["max_score"] == "26"
+    assert ben["bucketed_ddp (13)"] == "0" and ben["score"] == "2"
+    assert "missing: bucketed_ddp (not handed in: 0 of 13)" in ben["notes"]
+    assert "not graded: draft.ipynb" in ben["notes"]
+
+
+def test_feedback_shows_the_total_every_notebook_and_a_page_for_the_missing_one(small_class):
+    _, out = small_class
+    folder = out / "feedback" / "ben" / ASSIGNMENT
+    assert sorted(p.name for p in folder.iterdir()) == ["allreduce_by_hand.html",
+                                                         "bucketed_ddp.html"]
+    missing = (folder / "bucketed_ddp.html").read_text()
+    assert "bucketed_ddp was not handed in" in missing and "0 of its 13 points" in missing
+    assert "Your submission holds: allreduce_by_hand.ipynb" in missing
+    for page in folder.iterdir():
+        text = page.read_text()
+        assert f"{ASSIGNMENT}: 2 of 26 points" in text
+        assert "<li>allreduce_by_hand: 2 of 13</li>" in text
+        assert "<li>bucketed_ddp: not handed in, 0 of 13</li>" in text
+    graded = (folder / "allreduce_by_hand.html").read_text()  # the summary opens the body
+    assert graded.index("assignment-summary") < graded.index("<h1>allreduce_by_hand of ben")
+    assert "<li>bucketed_ddp: 3 of 13</li>" in (
+        out / "feedback" / "ann" / ASSIGNMENT / "allreduce_by_hand.html").read_text()
+
+
+def test_regrading_one_student_keeps_everyone_elses_results_byte_for_byte(small_class,
+                                                                          monkeypatch, capsys):
+    root, out = small_class
+    before_csv, before_ann = csv_lines(out / "grades.csv"), files_of(out, "ann")
+    before = json.loads((out / "summary.json").read_text())
+    submit(root, "ben")  # ben hands in his second notebook late
+    monkeypatch.setattr(grade_module, "_grade_all", stand_in_workers({"ben": {**PART1, **PART2}}))
+    assert main(["grade", str(root / "submitted"), "--assignment", ASSIGNMENT, "--out", str(out),
+                 "--student", "ben", "--sandbox", "off"]) == 0
+    assert "holds 2 students: the rows of the 1 not graded in this run are kept" in (
+        capsys.readouterr().out)
+    after_csv = csv_lines(out / "grades.csv")
+    assert after_csv["ann"] == before_csv["ann"] and files_of(out, "ann") == before_ann
+    assert after_csv["ben"] != before_csv["ben"]
+    _, rows = read_csv(out / "grades.csv")
+    assert (rows["ben"]["score"], rows["ben"]["bucketed_ddp (13)"], rows["ben"]["notes"]) == (
+        "5", "3", f"not notebooks of {ASSIGNMENT}, not graded: draft.ipynb")
+    assert files_of(out, "ben")["log"] == b"graded ben: 5"
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["student"] for r in summary["results"]] == ["ann", "ben"]
+    assert summary["results"][0] == before["results"][0] and summary["regraded"] == ["ben"]
+    assert summary["results"][1]["score"] == 5 and summary["results"][1]["missing"] == []
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_an_interrupted_run_leaves_out_as_it_was(small_class, monkeypatch):
+    root, out = small_class
+    snapshot = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grade_module, "_grade_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["grade", str(root / "submitted"), "--assignment", ASSIGNMENT, "--out", str(out),
+              "--sandbox", "off"])
+    assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*")
+            if p.is_file()} == snapshot
+
+
+def refused(capsys, *args) -> str:
+    assert main(["grade", *map(str, args), "--sandbox", "off"]) == 2
+    return capsys.readouterr().err
+
+
+def test_nothing_to_grade_is_refused_with_what_there_is(tmp_path, capsys):
+    submit(tmp_path, "ann", ["ranks_from_env"], assignment="04_process_groups")
+    submit(tmp_path, "ben", ["ranks_from_env"], assignment="04_process_groups")
+    err = refused(capsys, tmp_path / "submitted", "--assignment", ASSIGNMENT,
+                  "--out", tmp_path / "out")
+    assert f"no submission of {ASSIGNMENT}" in err and "04_process_groups (2 students)" in err
+    err = refused(capsys, tmp_path / "nowhere", "--assignment", ASSIGNMENT)
+    assert "holds no submission at all" in err
+    err = refused(capsys, tmp_path / "submitted", "--assignment", "04_process_groups",
+                  "--student", "cid", "--student", "ann", "--out", tmp_path / "out")
+    assert "from cid in" in err and "who handed it in: ann, ben" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_results_that_could_not_be_kept_are_refused_before_grading(small_class, capsys):
+    root, out = small_class
+    snapshot = (out / "grades.csv").read_bytes()
+    submit(root, "ann", ["ranks_from_env"], assignment="04_process_groups")
+    err = refused(capsys, root / "submitted", "--assignment", "04_process_groups", "--out", out)
+    assert f"holds the grades of {ASSIGNMENT}, not 04_process_groups" in err
+    err = refused(capsys, root / "submitted", "--assignment", ASSIGNMENT, "--out", out,
+                  "--shard", "1/2")
+    assert "a shard's output holds exactly its shard's students" in err
+    err = refused(capsys, root / "submitted", "--assignment", ASSIGNMENT, "--out", out,
+                  "--shard", "1/2", "--student", "ann")
+    assert "--student and --shard together" in err
+    (out / "summary.json").write_text("{")
+    assert "cannot be read" in refused(capsys, root / "submitted", "--assignment", ASSIGNMENT,
+                                       "--out", out)
+    assert (out / "grades.csv").read_bytes() == snapshot
+
+
+# --- the fake class, graded, then one student re-graded -----------------------------------------
+
+STUDENTS = ["bob", "oscar"]  # bob: a wrong average_gradients; oscar: only the second notebook
+
+
+def grade(root: Path, out: Path, *args: str) -> str:
+    mark = uuid.uuid4().hex
+    # no submission here hangs: a roomy check deadline keeps a loaded machine from failing a check
+    env = dict(os.environ, DDPCOURSE_CHECK_TIMEOUT_S="60", DDPCOURSE_GRADING_TEST=mark)
+    done = subprocess.run(
+        [sys.executable, "-m", "autograder", "grade", str(root / "submitted"), "--assignment",
+         ASSIGNMENT, "--out", str(out), "--cell-timeout", "120", "--student-timeout", "600",
+         *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
+    assert done.returncode == 0, done.stdout + done.stderr
+    time.sleep(1.0)
+    assert not processes_marked(mark), "grading left processes running"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def regraded(tmp_path_factory):
+    """The two graded at once; then bob fixes his notebook and is re-graded alone."""
+    root = write_class(tmp_path_factory.mktemp("class"), STUDENTS)
+    out = root / "out"
+    grade(root, out, "--jobs", "2")
+    first = {"csv": csv_lines(out / "grades.csv"), "rows": read_csv(out / "grades.csv")[1],
+             "oscar": files_of(out, "oscar"), "bob": files_of(out, "bob"),
+             "summary": json.loads((out / "summary.json").read_text())}
+    nbformat.write(build(CORRECT), root / "submitted/bob" / ASSIGNMENT / "allreduce_by_hand.ipynb")
+    stdout = grade(root, out, "--student", "bob", "--jobs", "1")
+    return first, out, stdout
+
+
+def test_the_first_run_grades_both_and_shows_the_missing_notebook(regraded):
+    first, out, _ = regraded
+    rows = first["rows"]
+    assert {s: (float(r["score"]), r["status"]) for s, r in rows.items()} == {
+        s: (float(EXPECTED[s][0]), EXPECTED[s][1]) for s in STUDENTS}
+    assert "missing: allreduce_by_hand" in rows["oscar"]["notes"]
+    assert "missing: bucketed_ddp" in rows["bob"]["notes"]
+    assert (rows["oscar"]["bucketed_ddp (13)"], rows["oscar"]["allreduce_by_hand (13)"]) == (
+        "11", "0")
+    pages = {name: text.decode() for name, text in first["oscar"].items() if name != "log"}
+    assert sorted(Path(name).name for name in pages) == ["allreduce_by_hand.html",
+                                                         "bucketed_ddp.html"]
+    for name, text in pages.items():
+        assert f"{ASSIGNMENT}: 11 of 26 points" in text, name
+        assert "<li>allreduce_by_hand: not handed in, 0 of 13</li>" in text, name
+
+
+def test_regrading_one_student_leaves_the_other_byte_for_byte(regraded):
+    first, out, stdout = regraded
+    again = csv_lines(out / "grades.csv")
+    assert again["oscar"] == first["csv"]["oscar"]
+    assert files_of(out, "oscar") == first["oscar"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["results"][1] == first["summary"]["results"][1]  # oscar's, unchanged
+    assert summary["regraded"] == ["bob"] and summary["submissions"] == 2
+    assert "1 submissions in" in stdout and "rows of the 1 not graded in this run are kept" in stdout
+
+
+def test_the_regraded_student_is_updated(regraded):
+    first, out, _ = regraded
+    _, rows = read_csv(out / "grades.csv")
+    assert (first["rows"]["bob"]["score"], rows["bob"]["score"]) == ("9", "13")
+    assert rows["bob"]["allreduce_by_hand (13)"] == "13"
+    now = files_of(out, "bob")
+    assert now["log"] != first["bob"]["log"]
+    page = now[f"feedback/bob/{ASSIGNMENT}/allreduce_by_hand.html"].decode()
+    assert f"{ASSIGNMENT}: 13 of 26 points" in page
+    assert (out / "work/bob/autograded/bob" / ASSIGNMENT / "allreduce_by_hand.ipynb").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
