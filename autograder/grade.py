@@ -88,7 +88,8 @@ def _assignments_found(submissions: Path) -> str:
         return (f"{submissions} holds no submission at all (nbgrader's layout: "
                 "SUBMISSIONS/{student}/{assignment}/*.ipynb)")
     return f"{submissions} holds: " + ", ".join(
-        f"{name} ({count} student{'s' if count > 1 else ''})" for name, count in sorted(counts.items()))
+        f"{name} ({count} student{'s' if count > 1 else ''})"
+        for name, count in sorted(counts.items()))
 
 
 def plan(submissions: Path, assignment: str, out: Path, students: list[str] | None = None,
@@ -204,7 +205,8 @@ class CappedLog:
 class _Worker:
     """One student's grading worker. Its files go to ``root`` (a folder directly inside OUT, so
     that the worker's sandbox, which hides the parent of ``root``, hides OUT whole):
-    ``root/{student}/`` (its course directory), ``{student}.log``, ``.job.json``, ``.result.json``."""
+    ``root/{student}/`` (its course directory), ``{student}.log``, ``{student}.job.json`` and
+    ``{student}.result.json``."""
 
     def __init__(self, student: str, submission: Path, assignment: str, root: Path,
                  cell_timeout: int | None, student_timeout: float):

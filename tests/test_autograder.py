@@ -60,8 +60,19 @@ def grade(class_root: Path, out: Path, jobs: int = 3) -> tuple[dict[str, dict], 
     time.sleep(1.0)
     assert not processes_marked(mark), "grading left processes running"
     with open(out / "grades.csv") as f:
-        rows = {row["student_id"]: row for row in csv.DictReader(f)}
+        rows = {row["student_id"]: by_grade_id(row) for row in csv.DictReader(f)}
     return rows, elapsed, done.stdout
+
+
+def by_grade_id(row: dict) -> dict:
+    """A CSV row with each test cell also under its bare grade id (the CSV's column is
+    ``NOTEBOOK:GRADE_ID (POINTS)``, autograder/gradesheet.py)."""
+    cells = {}
+    for column, value in row.items():
+        notebook, colon, rest = column.partition(":")
+        if colon and rest.endswith(")"):
+            cells[rest.rsplit(" (", 1)[0]] = value
+    return {**row, **cells}
 
 
 def repository_digest() -> dict[str, str]:
@@ -141,10 +152,8 @@ def test_every_student_gets_a_small_feedback_page_without_the_hidden_checks(grad
                     if line.strip().startswith("(") or "_hidden(" in line]
     for student in EXPECTED:
         pages = sorted((out / "feedback" / student / "05_allreduce").glob("*.html"))
-        expected = (["bucketed_ddp"] if student == "oscar" else
-                    ["allreduce_by_hand", "bucketed_ddp"] if student == "alice" else
-                    ["allreduce_by_hand"])
-        assert [page.stem for page in pages] == expected, student
+        # a page for each notebook, handed in or not (tests/test_autograder_regrade.py)
+        assert [page.stem for page in pages] == ["allreduce_by_hand", "bucketed_ddp"], student
         for page in pages:
             assert page.stat().st_size < 3_000_000, f"{student}'s {page.name}: {page.stat().st_size} B"
             text = page.read_text()

@@ -136,7 +136,8 @@ def test_the_csv_has_subtotals_notebook_order_maximums_and_missing_notes(small_c
     header, rows = read_csv(out / "grades.csv")
     assert header[header.index("notes") + 1:] == gradesheet.layout_columns(ASSIGNMENT)
     ann, ben = rows["ann"], rows["ben"]
-    assert (ann["allreduce_by_hand (13)"], ann["bucketed_ddp (13)"], ann["score"]) == ("2", "3", "5")
+    assert (ann["allreduce_by_hand (13)"], ann["bucketed_ddp (13)"], ann["score"]) == (
+        "2", "3", "5")
     assert ann["allreduce_by_hand:test-average-gradients-two-ranks (2)"] == "2"
     assert ann["allreduce_by_hand:test-ring-allreduce-two-ranks (2)"] == "0"
     assert ann["allreduce_by_hand:test-ring-allreduce-hidden (3)"] == ""  # no score: empty
@@ -300,7 +301,8 @@ def test_regrading_one_student_leaves_the_other_byte_for_byte(regraded):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["results"][1] == first["summary"]["results"][1]  # oscar's, unchanged
     assert summary["regraded"] == ["bob"] and summary["submissions"] == 2
-    assert "1 submissions in" in stdout and "rows of the 1 not graded in this run are kept" in stdout
+    assert "1 submissions in" in stdout
+    assert "rows of the 1 not graded in this run are kept" in stdout
 
 
 def test_the_regraded_student_is_updated(regraded):
