@@ -114,3 +114,93 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # a parent package is missing
         return False
+
+
+def record_class_in_course_gradebook(course_db_url: str, assignment: str,
+                                     graded: dict[str, Path], solutions: Path | None = None) -> None:
+    """Put the results of a grading run into the course gradebook, where nbgrader's own commands
+    (``export``, ``generate_feedback``, formgrader, ``db student list``) find them.
+
+    ``graded`` maps each student graded in this run to the gradebook file they were graded in
+    (each worker's own: sqlite allows no parallel writers). The assignment is defined in the course
+    gradebook from its real source (``solutions/``, as ``nbgrader generate_assignment`` defines it,
+    never from a worker's copy, whose test cells are stand-ins); then each student's submission
+    there is replaced by theirs (scores, comments, flags, late penalties, timestamp), or removed
+    when their gradebook holds none or does not exist (nbgrader dropped it, the worker was
+    killed). Everyone else's is kept, so re-grading one student or a subset, and recording shard
+    after shard, add up to the whole class. Results graded against other test cells or points than
+    the source now has are refused (ValueError).
+    """
+    from nbgrader.api import Gradebook
+
+    from autograder.sources import SOLUTIONS
+
+    define_assignment(course_db_url, assignment, solutions or SOLUTIONS)
+    with Gradebook(course_db_url) as course:
+        for student, gradebook in sorted(graded.items()):
+            if not Path(gradebook).is_file():  # opening it would create it
+                _record_submission(None, course, assignment, student)
+                continue
+            with Gradebook(f"sqlite:///{Path(gradebook).resolve()}") as grades:
+                _record_submission(grades, course, assignment, student)
+
+
+def define_assignment(course_db_url: str, assignment: str, solutions: Path) -> None:
+    """``nbgrader generate_assignment`` into the course gradebook, its release thrown away."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ddpcourse-define-") as tmp:
+        config = load_config(Path(tmp), source_directory=str(solutions),
+                             release_directory=str(Path(tmp) / "release"))
+        config.CourseDirectory.db_url = course_db_url
+        check(api_for(config).generate_assignment(assignment, force=True, create=True),
+              f"generate_assignment {assignment} (the course gradebook)")
+
+
+def _record_submission(grades, course, assignment: str, student: str) -> None:
+    """Replace ``student``'s submission in ``course`` by theirs in ``grades`` (None: no gradebook)."""
+    from nbgrader.api import MissingEntry
+
+    submitted = None
+    if grades is not None:
+        try:
+            submitted = grades.find_submission(assignment, student)
+        except MissingEntry:
+            pass
+    if submitted is not None:
+        _check_same_cells(grades, course, assignment)
+    course.update_or_create_student(student)  # keeps the names and email a roster import gave
+    try:
+        course.remove_submission(assignment, student)
+    except MissingEntry:
+        pass
+    if submitted is None:
+        return
+    course.add_submission(assignment, student, timestamp=submitted.timestamp,
+                          extension=submitted.extension)
+    for notebook in submitted.notebooks:
+        target = course.find_submission_notebook(notebook.name, assignment, student)
+        target.flagged = notebook.flagged
+        target.late_submission_penalty = notebook.late_submission_penalty
+        for grade in notebook.grades:
+            copy = course.find_grade(grade.name, notebook.name, assignment, student)
+            copy.auto_score, copy.manual_score = grade.auto_score, grade.manual_score
+            copy.extra_credit, copy.needs_manual_grade = grade.extra_credit, grade.needs_manual_grade
+        for comment in notebook.comments:
+            copy = course.find_comment(comment.name, notebook.name, assignment, student)
+            copy.auto_comment, copy.manual_comment = comment.auto_comment, comment.manual_comment
+    course.db.commit()
+
+
+def _check_same_cells(grades, course, assignment: str) -> None:
+    """Refuse results graded against other test cells or points than the source defines now."""
+    def cells(gradebook):
+        return {(notebook.name, cell.name, cell.max_score)
+                for notebook in gradebook.find_assignment(assignment).notebooks
+                for cell in [*notebook.grade_cells, *notebook.task_cells]}
+    graded, defined = cells(grades), cells(course)
+    if graded != defined:
+        raise ValueError(
+            f"{assignment} was graded with test cells (notebook, cell, points) the course's "
+            f"source no longer has, or without some it has: graded only "
+            f"{sorted(graded - defined)}, source only {sorted(defined - graded)}")

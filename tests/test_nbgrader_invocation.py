@@ -25,7 +25,8 @@ from nbgrader.api import Gradebook
 from nbgrader.converters import Autograde
 from traitlets import import_item
 
-from autograder.nbgrader_api import RequireHiddenChecks, hidden_modules, load_config
+from autograder.nbgrader_api import (RequireHiddenChecks, define_assignment, hidden_modules,
+                                     load_config, record_class_in_course_gradebook)
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "autograder/README.md"
@@ -199,3 +200,46 @@ def test_autograde_checks_the_hidden_imports_after_nbgraders_own_sanitizing(tmp_
 ])
 def test_the_hidden_imports_a_cell_makes(source, modules):
     assert hidden_modules(source) == modules
+
+
+def _scores(db: Path) -> dict[str, dict[str, float | None]]:
+    """Each student's score per test cell of ASSIGNMENT (empty: no submission)."""
+    with Gradebook(f"sqlite:///{db}") as gradebook:
+        result = {student.id: {} for student in gradebook.students}
+        for submission in gradebook.find_assignment(ASSIGNMENT).submissions:
+            result[submission.student.id] = {grade.name: grade.score
+                                            for notebook in submission.notebooks
+                                            for grade in notebook.grades}
+    return result
+
+
+def test_a_grading_runs_gradebooks_are_recorded_in_the_course_gradebook_keeping_the_others(
+        course, tmp_path):
+    root, _ = course
+    graded = root / "autograder/course/gradebook.db"
+    course_db = tmp_path / "gradebook.db"
+    define_assignment(f"sqlite:///{course_db}", ASSIGNMENT, root / "solutions")
+    with Gradebook(f"sqlite:///{course_db}") as gradebook:  # graded in an earlier run
+        gradebook.add_student("zed", first_name="Zed", email="zed@example.org")
+        gradebook.add_student(STUDENT, first_name="Alice")
+        gradebook.add_submission(ASSIGNMENT, "zed")
+        first_cell = next(iter(graded_cells()[0]))
+        gradebook.find_grade(first_cell, SLUG, ASSIGNMENT, "zed").auto_score = 1.0
+        gradebook.db.commit()
+    zed = _scores(course_db)["zed"]
+
+    record_class_in_course_gradebook(f"sqlite:///{course_db}", ASSIGNMENT, {STUDENT: graded},
+                                     solutions=root / "solutions")
+    recorded = _scores(course_db)
+    assert recorded == {STUDENT: _scores(graded)[STUDENT], "zed": zed}
+    assert recorded[STUDENT] == graded_cells()[0]
+    with Gradebook(f"sqlite:///{course_db}") as gradebook:
+        assert gradebook.find_student(STUDENT).first_name == "Alice"  # the roster's, kept
+        assert gradebook.find_student("zed").email == "zed@example.org"
+
+    # Re-graded, and this time nbgrader dropped the submission: no stale scores stay.
+    record_class_in_course_gradebook(f"sqlite:///{course_db}", ASSIGNMENT,
+                                     {STUDENT: tmp_path / "no-gradebook.db"},
+                                     solutions=root / "solutions")
+    assert _scores(course_db) == {STUDENT: {}, "zed": zed}
+    assert not (tmp_path / "no-gradebook.db").exists()
