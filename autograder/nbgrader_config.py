@@ -63,7 +63,6 @@ c.Execute.timeout = 240
 c.Execute.interrupt_on_timeout = True
 c.Execute.startup_timeout = 120  # these Execute settings apply to CappedExecute too
 
-# nbgrader's own list (nbgrader.converters.Autograde), with Execute replaced by CappedExecute.
 # After nbgrader's own sanitizing (which restores the test cells from the gradebook), refuse to
 # grade a notebook whose hidden-test cells would fail to import their checks: an error, not 0 points.
 c.Autograde.sanitize_preprocessors = [
@@ -74,6 +73,7 @@ c.Autograde.sanitize_preprocessors = [
     "nbgrader.preprocessors.CheckCellMetadata",
     "autograder.nbgrader_api.RequireHiddenChecks",
 ]
+# nbgrader's own list (nbgrader.converters.Autograde), with Execute replaced by CappedExecute.
 c.Autograde.autograde_preprocessors = [
     "autograder.capped_execute.CappedExecute",
     "nbgrader.preprocessors.IgnorePattern",
