@@ -1,17 +1,25 @@
 """The checks of exercise read_the_logs (chapter 09: facts read from real logs of failed jobs)
 take their truth from the committed logs, pass the solution notebook's answers (visible and
 hidden checks, once through the trusted grader's path), name each tempting wrong field with a
-hint that does not give the value away, and read the rank's report as untrusted data. A fresh
-capture of the CPU logs on the installed torch (one parallel launch of make_logs.py) must still
-tell the facts the exercise asks about, so a torch that changes them turns this red. The
-exercise: solutions/09_debugging/read_the_logs.nb.py; the logs and their scripts:
-chapters/09_debugging/captured_logs/.
+hint that does not give the value away, and read the rank's report as untrusted data. The truth
+is parsed on the grader's side only (autograder/hidden/read_the_logs.py): the visible checks,
+which students get and their code can import, hold digests of the visible fields, which must be
+the digests of what the parser reads in the committed logs, and nothing that gives a hidden
+field away. A fresh capture of the CPU logs on the installed torch (one parallel launch of
+make_logs.py) must still tell the facts the exercise asks about, so a torch that changes them
+turns this red. The exercise: solutions/09_debugging/read_the_logs.nb.py; the logs and their
+scripts: chapters/09_debugging/captured_logs/.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import json
 import re
+import shutil
 import sys
+from pathlib import Path
 
 import cloudpickle
 import nbformat
@@ -20,6 +28,7 @@ import torch
 from course_layout import ROOT, import_by_path
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from autograder import student_repo
 from autograder.hidden import read_the_logs as hidden
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import read_the_logs as checks
@@ -57,7 +66,7 @@ def returning(answer: dict):
 
 
 def with_field(lab: str, **changed):
-    return returning({**checks.truth(lab), **changed})
+    return returning({**hidden.truth(lab), **changed})
 
 
 # --- the truth comes from the committed logs ---------------------------------------------------
@@ -65,26 +74,45 @@ def with_field(lab: str, **changed):
 
 def test_every_fact_asked_is_found_in_the_committed_logs():
     for lab in checks.LABS:
-        facts = checks.truth(lab)
+        facts = hidden.truth(lab)
         assert set(checks.VISIBLE[lab]) < set(facts), lab
         assert all(value is not None for value in facts.values()), (lab, facts)
 
 
+def test_the_visible_digests_are_those_of_the_facts_parsed_from_the_committed_logs():
+    assert checks.DIGESTS == hidden.visible_digests(), (
+        "the logs changed: print the new table with `python -m autograder.hidden.read_the_logs` "
+        "and put it in ddpcourse/grading/exercises/read_the_logs.py")
+
+
+def test_a_log_that_tells_another_fact_no_longer_matches_the_digests(tmp_path):
+    folder = tmp_path / "logs"
+    shutil.copytree(checks.LOGS_DIR, folder)
+    raised = folder / "raise.log"
+    line = hidden.truth("child_failed")["line"]
+    raised.write_text(raised.read_text().replace(f'failing_job.py", line {line},',
+                                                 f'failing_job.py", line {line + 1},'))
+    assert hidden.truth("child_failed", folder)["line"] == line + 1
+    changed = hidden.visible_digests(folder)
+    assert changed["child_failed"]["line"] != checks.DIGESTS["child_failed"]["line"]
+    assert changed["timeout"] == checks.DIGESTS["timeout"]
+
+
 def test_the_logs_say_what_the_exercise_teaches():
-    plain, recorded = (checks.read_log(name).body for name in ("raise", "raise_record"))
+    plain, recorded = (hidden.read_log(name).body for name in ("raise", "raise_record"))
     # without @record: no error file, no traceback in the summary; with it, both
-    assert all(f.error_file == "<N/A>" for f in checks.summary(plain))
+    assert all(f.error_file == "<N/A>" for f in hidden.summary(plain))
     assert "To enable traceback see" in plain
-    root = checks.root_cause(checks.summary(recorded))
+    root = hidden.root_cause(hidden.summary(recorded))
     assert root.error_file.endswith("error.json")
-    assert checks.exception_of(root.traceback) == "ValueError"
-    assert checks.root_cause(checks.summary(plain)).rank == \
-        checks.truth("child_failed")["failing_rank"]
-    killed = checks.summary(checks.read_log("sigkill").body)
+    assert hidden.exception_of(root.traceback) == "ValueError"
+    assert hidden.root_cause(hidden.summary(plain)).rank == \
+        hidden.truth("child_failed")["failing_rank"]
+    killed = hidden.summary(hidden.read_log("sigkill").body)
     assert {(f.exitcode, f.signal) for f in killed} == {(-9, "SIGKILL"), (-15, "SIGTERM")}
-    gpu = checks.read_log("gpu_duplicate_no_set_device")
+    gpu = hidden.read_log("gpu_duplicate_no_set_device")
     assert gpu.torch_version == "2.11.0+cu130" and "Duplicate GPU detected" in gpu.body
-    assert "[rank" not in checks.read_log("gpu_duplicate_set_device").body
+    assert "[rank" not in hidden.read_log("gpu_duplicate_set_device").body
 
 
 @pytest.mark.parametrize("log, script", [
@@ -96,12 +124,12 @@ def test_the_scripts_beside_the_logs_still_have_the_lines_the_logs_quote(log, sc
     """A script edited without capturing its logs again would make the lines asked wrong."""
     source = (checks.LOGS_DIR / script).read_text().splitlines()
     lines = [re.sub(r"^\[rank\d+\]: ?", "", line)
-             for line in checks.read_log(log).body.splitlines()]
+             for line in hidden.read_log(log).body.splitlines()]
     quoted = [(int(found.group(2)), following.strip())
               for line, following in zip(lines, lines[1:])
-              for found in [checks._FRAME.search(line)]
+              for found in [hidden.FRAME.search(line)]
               if found and found.group(1).endswith(("failing_job.py", "dup_gpu.py"))
-              and not checks._FRAME.search(following)]  # interleaved ranks: the next frame
+              and not hidden.FRAME.search(following)]  # interleaved ranks: the next frame
     assert quoted
     for number, text in quoted:
         assert source[number - 1].strip().startswith(text), (number, text)
@@ -126,7 +154,7 @@ def test_show_log_prints_the_log_with_line_numbers(capsys):
 
 @pytest.fixture(scope="module")
 def fresh_logs(tmp_path_factory, host):
-    captured = checks.read_log("raise").torch_version
+    captured = hidden.read_log("raise").torch_version
     if captured.split("+")[0] != torch.__version__.split("+")[0]:
         pytest.skip(f"the logs were captured with torch {captured}, this is {torch.__version__}")
     host.start()  # the trusted-path test's host warms up while the jobs run (and wait 5 s)
@@ -139,19 +167,19 @@ def fresh_logs(tmp_path_factory, host):
 
 @pytest.mark.parametrize("lab", sorted(STABLE))
 def test_a_fresh_capture_tells_the_same_facts(fresh_logs, lab):
-    committed, fresh = checks.truth(lab), checks.truth(lab, fresh_logs)
+    committed, fresh = hidden.truth(lab), hidden.truth(lab, fresh_logs)
     assert {k: fresh[k] for k in STABLE[lab]} == {k: committed[k] for k in STABLE[lab]}
 
 
 def test_a_fresh_capture_shows_what_record_adds(fresh_logs):
-    plain = checks.summary(checks.read_log("raise", fresh_logs).body)
-    recorded = checks.summary(checks.read_log("raise_record", fresh_logs).body)
-    raised = checks.failure_of(recorded, checks.truth("with_record")["root_cause_rank"])
+    plain = hidden.summary(hidden.read_log("raise", fresh_logs).body)
+    recorded = hidden.summary(hidden.read_log("raise_record", fresh_logs).body)
+    raised = hidden.failure_of(recorded, hidden.truth("with_record")["root_cause_rank"])
     assert all(f.error_file == "<N/A>" for f in plain)
     assert raised.error_file.endswith("error.json")
-    assert checks.exception_of(raised.traceback) == "ValueError"
-    assert checks.script_frames(raised.traceback, "failing_job.py")[-1] == \
-        checks.truth("with_record")["line"]
+    assert hidden.exception_of(raised.traceback) == "ValueError"
+    assert hidden.script_frames(raised.traceback, "failing_job.py")[-1] == \
+        hidden.truth("with_record")["line"]
 
 
 # --- the checks --------------------------------------------------------------------------------
@@ -229,3 +257,161 @@ def test_malformed_answers_say_what_is_wrong(answer, says):
 def test_the_judge_reads_the_report_as_untrusted_data(observations):
     with pytest.raises(CheckFailed, match="lacks the answers"):
         checks.judge_answers(observations, 1, ("killed",), (("failing_rank",),))
+
+
+# --- nothing a student can import or read gives an answer away ----------------------------------
+# The visible checks ship to students and are importable where a submission runs: they must hold
+# no true value and nothing that derives one, and no oracle for a hidden field. (A visible field
+# is no secret from its own visible check, which says whether a guess is right.)
+
+
+LOG_NAMES = [log for names in checks.LABS.values() for log in names]
+
+
+def true_values(hidden_only: bool = False) -> dict[tuple[str, str], list]:
+    """Each field's true value as parsed and as the checks normalize it, by (lab, field)."""
+    return {(lab, field): [value, checks.normalize(checks.KINDS[field], value)]
+            for lab in checks.LABS for field, value in hidden.truth(lab).items()
+            if not (hidden_only and field in checks.VISIBLE[lab])}
+
+
+def is_true_value(item, truths: dict) -> bool:
+    return any(type(item) is type(value) and item == value
+               for values in truths.values() for value in values)
+
+
+def held_in(value, depth: int = 0):
+    """``value`` and, recursively, what its dicts, lists, tuples and sets hold."""
+    yield value
+    if depth < 8 and isinstance(value, dict):
+        for key, item in value.items():
+            yield from held_in(key, depth + 1)
+            yield from held_in(item, depth + 1)
+    elif depth < 8 and isinstance(value, (list, tuple, set, frozenset)):
+        for item in value:
+            yield from held_in(item, depth + 1)
+
+
+def test_no_data_of_the_public_checks_is_a_true_value():
+    truths = true_values()
+    assert not hasattr(checks, "truth") and not hasattr(checks, "read_log")
+    found = [(name, item) for name, value in vars(checks).items()
+             if not name.startswith("__") and not callable(value) and not inspect.ismodule(value)
+             for item in held_in(value) if is_true_value(item, truths)]
+    assert found == []
+
+
+def test_no_public_function_returns_a_true_value(capsys):
+    """Every function of the visible checks, called with each lab, field, kind and log name and
+    each (lab, field) and (kind, field): none returns a true value, whole or inside its result."""
+    truths = true_values()
+    words = [*checks.LABS, *checks.KINDS, *set(checks.KINDS.values()), *LOG_NAMES]
+    calls = [(), *((word,) for word in words),
+             *((lab, field) for lab in checks.LABS for field in checks.KINDS),
+             *((kind, field) for kind in set(checks.KINDS.values()) for field in checks.KINDS)]
+    functions = {name: f for name, f in vars(checks).items()
+                 if inspect.isfunction(f) and f.__module__ == checks.__name__}
+    assert {"show_log", "normalize", "digest", "judge_answer", "check_killed"} <= set(functions)
+    found, called = [], 0
+    for name, function in functions.items():
+        signature = inspect.signature(function)
+        for args in calls:
+            try:
+                signature.bind(*args)
+            except TypeError:
+                continue
+            called += 1
+            try:
+                result = function(*args)
+            except Exception:  # noqa: BLE001 - a refusal gives nothing away
+                continue
+            found += [(name, args, item) for item in held_in(result)
+                      if is_true_value(item, truths)]
+    capsys.readouterr()  # show_log printed the logs: reading them is the exercise
+    assert called > 100 and found == []
+
+
+def test_the_public_checks_cannot_tell_a_right_hidden_field_from_a_wrong_one():
+    assert {lab: set(fields) for lab, fields in checks.DIGESTS.items()} == \
+        {lab: set(fields) for lab, fields in checks.VISIBLE.items()}
+    for (lab, field), (value, normalized) in true_values(hidden_only=True).items():
+        with pytest.raises(ValueError, match="judged when the notebook is graded"):
+            checks.matches_digest(lab, field, normalized)
+        with pytest.raises(ValueError):
+            checks.judge_answer(lab, {field: value}, (field,))
+
+
+def public_files() -> dict[str, str]:
+    """read_the_logs' files that the student repository holds (autograder/student_repo.py's
+    allow-list), by git path: the code a student reads."""
+    listed = student_repo._git("ls-files", "*read_the_logs*").decode().split()
+    return {path: (ROOT / path).read_text() for path in listed
+            if student_repo.is_student_file(path)}
+
+
+def constants(code: str):
+    """The literal values in Python source: strings, numbers (with their sign), lists of ints."""
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Constant):
+            yield node.value
+        elif (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+              and isinstance(node.operand, ast.Constant)):
+            yield -node.operand.value
+        elif isinstance(node, ast.List) and all(isinstance(item, ast.Constant)
+                                                for item in node.elts):
+            yield [item.value for item in node.elts]
+
+
+def leaks(value, truths: dict) -> list:
+    """The hidden fields a literal gives away: the value itself, a name inside a text, or a
+    number of two digits or more inside a text (one digit is in every text: 'rank 0')."""
+    if type(value) is not str:
+        return [key for key, values in truths.items() if is_true_value(value, {key: values})]
+    for log in LOG_NAMES:  # a text may name a log: sigkill.log's name is the lab's topic
+        value = re.sub(rf"\b{log}\b(\.log)?", "", value)
+    found = []
+    for key, values in truths.items():
+        for true in values:
+            if isinstance(true, str) and true.lower() in value.lower():
+                found.append(key)
+            elif type(true) is int and len(str(abs(true))) > 1 and re.search(
+                    rf"(?<![\d.]){re.escape(str(true))}(?!\d)", value):
+                found.append(key)
+    return found
+
+
+def test_the_student_repository_holds_no_hidden_fields_value_in_read_the_logs_code():
+    """The code of the visible checks and of the released notebook (its markdown teaches facts
+    such as "-9 is SIGKILL", and the logs themselves hold every answer: reading them is the
+    exercise); and no digest of a hidden field anywhere in those files."""
+    files = public_files()
+    assert set(files) == {"ddpcourse/grading/exercises/read_the_logs.py",
+                          "exercises/09_debugging/read_the_logs.ipynb"}
+    truths = true_values(hidden_only=True)
+    hidden_digests = {checks.digest(lab, field, normalized)
+                      for (lab, field), (_, normalized) in truths.items()}
+    found = []
+    for path, text in files.items():
+        if path.endswith(".ipynb"):
+            notebook = nbformat.reads(text, as_version=4)
+            assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")
+            codes = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+        else:
+            codes = [text]
+        found += [(path, value, leaks(value, truths)) for code in codes
+                  for value in constants(code) if leaks(value, truths)]
+        found += [(path, digest) for digest in hidden_digests if digest in text]
+    assert found == []
+
+
+def test_the_leak_search_finds_what_it_looks_for():
+    truths = true_values(hidden_only=True)
+    code = (f'x = {hidden.truth("with_record")["rank0_exitcode"]}\n'
+            f'shape = {hidden.truth("mismatch")["shape_rank1"]}\n'
+            f'hint = "the type is {hidden.truth("child_failed")["exception"].lower()}"\n'
+            f'note = "waited {hidden.truth("timeout")["timeout_ms"]}ms"\n'
+            'fine = "rank 0 of 2 in sigkill.log, e.g. KeyError"')
+    found = {key for value in constants(code) for key in leaks(value, truths)}
+    assert {("with_record", "rank0_exitcode"), ("mismatch", "shape_rank1"),
+            ("child_failed", "exception"), ("timeout", "timeout_ms")} <= found
+    assert not leaks("rank 0 of 2 in sigkill.log, e.g. KeyError", truths)

@@ -30,7 +30,8 @@
 # is in the log).
 #
 # **How it is tested.** The tests call your `answer_...` functions in a fresh process and compare
-# each field with the facts that the checks parse from the same committed logs. A wrong field is
+# each field with the facts the grader parses from the same committed logs (the visible checks
+# keep only a fingerprint of each fact they ask: their code holds no answer). A wrong field is
 # named, with a hint on where in the log to look.
 #
 # **Self-check** from the repository root: `pytest exercises/09_debugging/read_the_logs.ipynb`.

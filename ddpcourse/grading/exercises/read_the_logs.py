@@ -1,65 +1,45 @@
 """Chapter 09, reading the logs of failed jobs: visible checks for the ``answer_*`` functions of
-the exercise read_the_logs, the truth they are judged against, and the case the hidden checks
-reuse.
+the exercise read_the_logs, and the case the hidden checks reuse.
 
 The contract is the docstring of each ``answer_*`` function in
 solutions/09_debugging/read_the_logs.nb.py (students: exercises/09_debugging/read_the_logs.ipynb):
 each returns a small dict of facts read from one real log of chapters/09_debugging/captured_logs/
 (the failing rank, the line of the script, the collective, exit codes...).
 
-Nothing here is a hard-coded answer: :func:`truth` parses the committed logs each time (the
+This module ships to students and is importable where their code runs, so it holds no answer and
+nothing that derives one: no parser of the logs, no true value. For each field a visible check
+asks it keeps only :data:`DIGESTS`, a salted SHA-256 of the field's normalized true value
+(:func:`normalize`: ``dist.broadcast`` and ``BROADCAST`` alike, ``INT`` as ``SIGINT``), and
+judges a student's field by comparing digests; a wrong field is named with a hint on where in the
+log to look, never its value. A digest of a small set (a rank, a line number) is no secret from a
+loop that tries every value, and neither is the visible check itself, which says whether a guess
+is right: that is why only the visible fields have a digest here. The other fields' truth exists
+only on the grader's side: autograder/hidden/read_the_logs.py parses the committed logs (the
 ``[rankN]:`` tracebacks, torchrun's ChildFailedError summary, gloo's timeout, the DETAIL
-fingerprints, NCCL's duplicate-GPU error), so a log captured again on another torch (make_logs.py)
-changes the truth with it, and tests/test_grading_read_the_logs.py checks that a fresh capture on
-the installed torch still gives the facts the committed logs give.
+fingerprints, NCCL's duplicate-GPU error) and judges them there. tests/test_grading_read_the_logs.py
+checks that :data:`DIGESTS` are the digests of what that parser finds in the committed logs, so a
+log captured again (make_logs.py) with different facts turns it red until the digests are
+written again (``python -m autograder.hidden.read_the_logs`` prints them).
 
 One :class:`~ddpcourse.grading.checks.Case`, ANSWERS: in one rank (no process group) it calls the
-student's functions and keeps only plain data (ints, strings, lists of them); the judge compares
-each asked field with the truth and names every wrong field with a hint on where in the log to
-look, never the value.
+student's functions and keeps only plain data (ints, strings, lists of them); its judge compares
+each asked field with the digests; the hidden checks judge the same observations with the parser.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ddpcourse.grading.checks import Case, CheckFailed, cut_text, run_student, together
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 LOGS_DIR = Path(__file__).resolve().parents[3] / "chapters" / "09_debugging" / "captured_logs"
-HEADER_END = "# ---- captured output (stdout and stderr, in order) ----"
 ANSWER_TIMEOUT_S = 30.0  # one rank returning a dict; only a hang gets near it
 MAX_KEYS, MAX_LIST, MAX_TEXT = 20, 8, 200
-
-
-# --- the logs --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Log:
-    name: str
-    header: dict[str, str]
-    body: str  # what the job printed
-
-    @property
-    def torch_version(self) -> str:
-        return self.header.get("torch", "")
-
-
-def read_log(name: str, folder: Path = LOGS_DIR) -> Log:
-    """``folder/NAME.log``: its header (``# key: value`` lines) and what the job printed."""
-    text = (folder / f"{name}.log").read_text()
-    head, end, body = text.partition(HEADER_END + "\n")
-    if not end:
-        raise ValueError(f"{name}.log has no header ending in {HEADER_END!r}")
-    header = {}
-    for line in head.splitlines():
-        key, _, value = line.removeprefix("# ").partition(": ")
-        header[key.split(" (")[0]] = value
-    return Log(name, header, body)
 
 
 def show_log(name: str, folder: Path = LOGS_DIR) -> None:
@@ -68,115 +48,6 @@ def show_log(name: str, folder: Path = LOGS_DIR) -> None:
         print(f"{number:4d}  {line}")
 
 
-_RANK_LINE = re.compile(r"^\[rank(\d+)\]: ?(.*)$")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))(?::|$)")
-
-
-def rank_lines(body: str) -> dict[int, list[str]]:
-    """The lines each rank printed with its ``[rankN]:`` prefix (the prefix that
-    init_process_group's excepthook puts on every line of an uncaught exception), by rank."""
-    by_rank: dict[int, list[str]] = {}
-    for line in body.splitlines():
-        found = _RANK_LINE.match(line)
-        if found:
-            by_rank.setdefault(int(found.group(1)), []).append(found.group(2))
-    return by_rank
-
-
-def script_frames(lines: list[str], script: str) -> list[int]:
-    """The line numbers of the frames in ``script`` (a file name), outermost first."""
-    return [int(m.group(2)) for line in lines for m in [_FRAME.search(line)]
-            if m and Path(m.group(1)).name == script]
-
-
-def collective_of(lines: list[str]) -> str | None:
-    """The torch.distributed function a traceback was in: its frame in distributed_c10d.py."""
-    names = [m.group(3) for line in lines for m in [_FRAME.search(line)]
-             if m and m.group(1).endswith("distributed_c10d.py")]
-    return names[-1] if names else None
-
-
-def exception_of(lines: list[str]) -> str | None:
-    """The type name of the exception a traceback ends in (``ValueError``, not the module)."""
-    names = [m.group(1) for line in lines for m in [_EXCEPTION.match(line.strip())] if m]
-    return names[-1].rsplit(".", 1)[-1] if names else None
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One entry of torchrun's ChildFailedError summary."""
-
-    rank: int
-    exitcode: int
-    signal: str | None
-    error_file: str
-    traceback: list[str]
-    root_cause: bool
-
-
-def summary(body: str) -> list[Failure]:
-    """The entries of the ChildFailedError summary (``Failures:`` then ``Root Cause``)."""
-    start = body.find("ChildFailedError")
-    if start < 0:
-        return []
-    failures, entry, in_root, in_traceback = [], None, False, False
-
-    def close():
-        if entry is not None:
-            failures.append(Failure(**entry))
-
-    for line in body[start:].splitlines():
-        if line.startswith("Root Cause"):
-            in_root = True
-        if re.match(r"^\[\d+\]:$", line):
-            close()
-            entry = {"rank": -1, "exitcode": 0, "signal": None, "error_file": "",
-                     "traceback": [], "root_cause": in_root}
-            in_traceback = False
-            continue
-        if entry is None:
-            continue
-        if re.match(r"^[=-]{20,}$", line):
-            in_traceback = False
-            continue
-        field = re.match(r"^  (\w+)\s*: ?(.*)$", line)
-        if field and not in_traceback:
-            key, value = field.groups()
-            if key == "rank":
-                entry["rank"] = int(value.split()[0])
-            elif key == "exitcode":
-                entry["exitcode"] = int(value.split()[0])
-                named = re.search(r"\((SIG\w+)\)", value)
-                entry["signal"] = named.group(1) if named else None
-            elif key == "error_file":
-                entry["error_file"] = value.strip()
-            elif key == "traceback":
-                entry["traceback"] = [value]
-                in_traceback = True
-        elif in_traceback:
-            entry["traceback"].append(line)
-    close()
-    return failures
-
-
-def failure_of(failures: list[Failure], rank: int) -> Failure | None:
-    return next((f for f in failures if f.rank == rank), None)
-
-
-def root_cause(failures: list[Failure]) -> Failure | None:
-    return next((f for f in failures if f.root_cause), None)
-
-
-_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\("
-                          r"SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([\d, ]*)\]")
-_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")
-_NCCL_ERROR = re.compile(r"^(nccl\w+):")
-
-
-# --- the truth of every question, from the logs -----------------------------------------------
-
-CPU_SCRIPT, GPU_SCRIPT = "failing_job.py", "dup_gpu.py"
 # Each lab: the logs it shows, and the function the student writes.
 LABS = {
     "child_failed": ("raise",),
@@ -195,107 +66,6 @@ VISIBLE = {
     "killed": ("failing_rank", "exitcode"),
     "duplicate_gpu": ("line", "collective"),
 }
-
-
-def _innermost(lines: list[str], script: str) -> int | None:
-    frames = script_frames(lines, script)
-    return frames[-1] if frames else None
-
-
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
-
-
-def own_error_ranks(tracebacks: dict[int, list[str]]) -> list[int]:
-    """The ranks whose traceback ends in an error of their own, not in gloo's report that a
-    peer went away (which every survivor of a failed rank raises)."""
-    return [rank for rank, lines in sorted(tracebacks.items())
-            if not any(lost in line for line in lines[-3:] for lost in _PEER_LOST)]
-
-
-def truth_child_failed(folder: Path = LOGS_DIR) -> dict:
-    body = read_log("raise", folder).body
-    failures, tracebacks = summary(body), rank_lines(body)
-    # The rank with an error of its own; torchrun's Root Cause agrees in the committed log, but
-    # it is the first exit the agent saw, in whole seconds, and could be a survivor's.
-    own = own_error_ranks(tracebacks)
-    failing = own[0] if len(own) == 1 else None
-    others = [f.exitcode for f in failures if f.rank != failing]
-    lines = tracebacks.get(failing, [])
-    return {"failing_rank": failing, "line": _innermost(lines, CPU_SCRIPT),
-            "exception": exception_of(lines), "other_exitcode": others[0] if others else None}
-
-
-def truth_with_record(folder: Path = LOGS_DIR) -> dict:
-    failures = summary(read_log("raise_record", folder).body)
-    root = root_cause(failures)
-    rank0 = failure_of(failures, 0)
-    return {"root_cause_rank": root.rank if root else None,
-            "line": _innermost(root.traceback, CPU_SCRIPT) if root else None,
-            "rank0_exitcode": rank0.exitcode if rank0 else None,
-            "rank0_exception": exception_of(rank0.traceback) if rank0 else None}
-
-
-def truth_timeout(folder: Path = LOGS_DIR) -> dict:
-    body = read_log("timeout", folder).body
-    tracebacks = rank_lines(body)
-    waited = _TIMEOUT.search(body)
-    answer = {"timeout_ms": int(waited.group(1)) if waited else None}
-    for rank in (0, 1):
-        lines = tracebacks.get(rank, [])
-        answer[f"rank{rank}_collective"] = collective_of(lines)
-        answer[f"rank{rank}_line"] = _innermost(lines, CPU_SCRIPT)
-    return answer
-
-
-def truth_mismatch(folder: Path = LOGS_DIR) -> dict:
-    body = read_log("mismatch_detail", folder).body
-    tracebacks = rank_lines(body)
-    prints = {int(m.group(1)): m for m in _FINGERPRINT.finditer(body)}
-    first = prints.get(0) or prints.get(1)
-    answer = {"collective": collective_of(tracebacks.get(0, [])),
-              "line": _innermost(tracebacks.get(0, []), CPU_SCRIPT),
-              "sequence_number": int(first.group(2)) if first else None}
-    for rank in (0, 1):
-        found = prints.get(rank)
-        answer[f"shape_rank{rank}"] = ([int(n) for n in found.group(4).split(",") if n.strip()]
-                                       if found else None)
-    return answer
-
-
-def truth_killed(folder: Path = LOGS_DIR) -> dict:
-    body = read_log("sigkill", folder).body
-    failures, tracebacks = summary(body), rank_lines(body)
-    killed = next((f for f in failures if f.signal not in (None, "SIGTERM")), None)
-    rank0 = failure_of(failures, 0)
-    return {"failing_rank": killed.rank if killed else None,
-            "exitcode": killed.exitcode if killed else None,
-            "signal": killed.signal if killed else None,
-            "rank0_line": _innermost(tracebacks.get(0, []), CPU_SCRIPT),
-            "rank0_exitcode": rank0.exitcode if rank0 else None}
-
-
-def truth_duplicate_gpu(folder: Path = LOGS_DIR) -> dict:
-    without = read_log("gpu_duplicate_no_set_device", folder).body
-    tracebacks = rank_lines(without)
-    lines = tracebacks.get(0, [])
-    errors = [m.group(1) for line in lines for m in [_NCCL_ERROR.match(line.strip())] if m]
-    # Without device_id the error is raised in init_process_group, before its excepthook puts
-    # [rankN]: in front of the lines: the two ranks' tracebacks are interleaved, unprefixed.
-    early = read_log("gpu_duplicate_set_device", folder).body.splitlines()
-    return {"line": _innermost(lines, GPU_SCRIPT), "collective": collective_of(lines),
-            "line_with_device_id": _innermost(early, GPU_SCRIPT),
-            "nccl_error": errors[0] if errors else None}
-
-
-TRUTHS = {"child_failed": truth_child_failed, "with_record": truth_with_record,
-          "timeout": truth_timeout, "mismatch": truth_mismatch, "killed": truth_killed,
-          "duplicate_gpu": truth_duplicate_gpu}
-
-
-def truth(lab: str, folder: Path = LOGS_DIR) -> dict:
-    """Every field of ``lab``'s answer, parsed from the logs in ``folder``."""
-    return TRUTHS[lab](folder)
-
 
 # --- comparing an answer with the truth -------------------------------------------------------
 
@@ -354,7 +124,7 @@ HINTS = {
 }
 
 
-def _normalize(kind: str, value: Any) -> Any:
+def normalize(kind: str, value: Any) -> Any:
     """The comparable form of an answer's value, or None when it has the wrong type."""
     if kind == "int":
         return value if type(value) is int else None
@@ -374,11 +144,64 @@ def _normalize(kind: str, value: Any) -> Any:
     return text.rsplit(".", 1)[-1].lower()  # a name: ValueError, builtins.ValueError
 
 
+DIGEST_SALT = "ddp-course/09_debugging/read_the_logs"
+
+
+def digest(lab: str, field: str, normalized: Any) -> str:
+    """The salted SHA-256 of one field's value, already :func:`normalize` d."""
+    text = json.dumps([DIGEST_SALT, lab, field, normalized])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# The digest of each visible field's true value, as the grader's parser reads it from the
+# committed logs (tests/test_grading_read_the_logs.py compares; `python -m
+# autograder.hidden.read_the_logs` prints this table again after the logs change).
+DIGESTS = {
+    "child_failed": {
+        "failing_rank": "a2e5e5cc238bb234e06d9cb7093b0d986513157685ca8d6b61da8380344e0097",
+        "line": "fd18e8de7430827b1a0c578595f303dcef8ead2693fe70f725d44049013164e3",
+    },
+    "with_record": {
+        "root_cause_rank": "f96a0e5b5f95151de84e25981bed1cc951d355b75e2ca820eec7e09ddf74f4d2",
+        "line": "af8109a4aa6ce34ae4aee99c89713818138493bddb496776524545b431b2d467",
+    },
+    "timeout": {
+        "rank0_collective": "807a799de7d3ad2e3c557a88369b515d07c46eaed7284a352276fc9ee714e933",
+        "rank0_line": "4a757eb48bbddd9e0a32590bd1c0baef5cc4c6f7f6cdba52b942783bb2a994de",
+        "rank1_collective": "302064c24b037623f632985d0bfb8af4c96becbc69ca200855f5f487ede00f4f",
+        "rank1_line": "75fde26694f1c823996bfbf6e817c0e5447fa61fca2f7df39fba9c8f69f7acbe",
+    },
+    "mismatch": {
+        "collective": "836d7f90465aa71f8df306ce4be071ae0f620548275f96ff90ac0773314554ee",
+        "line": "dae4e31bfd34ace07559402f636ec2af7b6cbc6f25133fb1f4b367758bd22a51",
+    },
+    "killed": {
+        "failing_rank": "7331cfdbfcbd3431d815b5827b6ed416240511aecfd283aacf504de54f776955",
+        "exitcode": "aec65d4cd6bb6ea4214ad5327d6c0da1ea5fa37f81515e08b9739f2d81a6b8a1",
+    },
+    "duplicate_gpu": {
+        "line": "59b7ac2526c5b5daae97966536b9b532d072d6c892b0e2818e7c530714ef3be3",
+        "collective": "16a156a226dddd823874015101c1f59b9d407a7d8de7556ea6156cc4b521bfc3",
+    },
+}
+
+
+def matches_digest(lab: str, field: str, normalized: Any) -> bool:
+    """Whether a normalized value is the field's true one; only for visible fields."""
+    if field not in DIGESTS.get(lab, {}):
+        raise ValueError(f"answer_{lab}()'s {field!r} is judged when the notebook is graded")
+    return digest(lab, field, normalized) == DIGESTS[lab][field]
+
+
+# is_true(lab, field, normalized value): the visible checks' digests, or the grader's parser
+IsTrue = Callable[[str, str, Any], bool]
+
 _EXPECTED_TYPE = {"int": "an int", "shape": "a list of ints", "collective": "a string",
                   "signal": "a string", "name": "a string"}
 
 
-def judge_answer(lab: str, answer: Any, fields: tuple[str, ...], folder: Path = LOGS_DIR) -> None:
+def judge_answer(lab: str, answer: Any, fields: tuple[str, ...],
+                 is_true: IsTrue = matches_digest) -> None:
     """CheckFailed naming every wrong field of ``answer`` (plain data) among ``fields``."""
     what = f"answer_{lab}()"
     if isinstance(answer, dict) and set(answer) == {"not_plain"}:
@@ -386,18 +209,17 @@ def judge_answer(lab: str, answer: Any, fields: tuple[str, ...], folder: Path = 
                           f"returned {cut_text(answer['not_plain'], 100)}")
     if not isinstance(answer, dict):
         raise CheckFailed(f"{what} must return a dict")
-    expected = truth(lab, folder)
     wrong = []
     for name in fields:
         kind = KINDS[name]
         if name not in answer:
             wrong.append(f"{name!r} is missing (the dict has {cut_text(sorted(answer), 200)})")
             continue
-        given = _normalize(kind, answer[name])
+        given = normalize(kind, answer[name])
         if given is None and answer[name] is not None:
             wrong.append(f"{name!r} should be {_EXPECTED_TYPE[kind]}, not "
                          f"{cut_text(repr(answer[name]), 60)}")
-        elif given is None or given != _normalize(kind, expected[name]):
+        elif given is None or not is_true(lab, name, given):
             wrong.append(f"{name!r} = {cut_text(repr(answer[name]), 60)} is not what the log "
                          f"says. Where to look: {HINTS[(lab, name)]}")
     if wrong:
@@ -437,7 +259,8 @@ def observe_answers(rank, world_size, functions, labs, fields):
     return {"answers": [plain_answer(function()) for function in functions]}
 
 
-def judge_answers(observations, world_size, labs, fields):
+def judge_observed(observations, labs, fields, is_true: IsTrue) -> None:
+    """Judge the rank's report (untrusted data): every lab's answer, ``fields`` of each."""
     [observation] = observations
     answers = observation.get("answers") if isinstance(observation, dict) else None
     if not isinstance(answers, list) or len(answers) != len(labs):
@@ -446,26 +269,31 @@ def judge_answers(observations, world_size, labs, fields):
     problems = []
     for lab, answer, asked in zip(labs, answers, fields):
         try:
-            judge_answer(lab, answer, tuple(asked))
+            judge_answer(lab, answer, tuple(asked), is_true)
         except CheckFailed as failed:
             problems.append(str(failed))
     if problems:
         raise CheckFailed("\n".join(problems))
 
 
+def judge_answers(observations, world_size, labs, fields):
+    judge_observed(observations, labs, fields, matches_digest)
+
+
 ANSWERS = Case(observe_answers, judge_answers)
 
 
-def run_answers(functions: tuple, labs: tuple[str, ...], fields: tuple[tuple[str, ...], ...],
-                **kwargs) -> None:
-    """Judge the student's functions for ``labs`` (same order), asking ``fields`` of each."""
+def run_answers(case: Case, functions: tuple, labs: tuple[str, ...],
+                fields: tuple[tuple[str, ...], ...], **kwargs) -> None:
+    """Judge the student's functions for ``labs`` (same order), asking ``fields`` of each, with
+    ``case`` (:data:`ANSWERS`, or the hidden checks' case: the same observation, judged there)."""
     student = together(*functions) if len(functions) > 1 else functions[0]
-    run_student(ANSWERS, 1, student, labs, fields, timeout=ANSWER_TIMEOUT_S,
+    run_student(case, 1, student, labs, fields, timeout=ANSWER_TIMEOUT_S,
                 init_process_group=False, **kwargs)
 
 
 def _check(lab: str, function) -> None:
-    run_answers((function,), (lab,), (VISIBLE[lab],))
+    run_answers(ANSWERS, (function,), (lab,), (VISIBLE[lab],))
 
 
 def check_child_failed(answer_child_failed) -> None:
