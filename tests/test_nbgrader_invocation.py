@@ -10,6 +10,7 @@ scoring its cells 0. One shared course, so the grading runs once (~35 s on 2 qui
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import re
 import shlex
@@ -243,3 +244,17 @@ def test_a_grading_runs_gradebooks_are_recorded_in_the_course_gradebook_keeping_
                                      solutions=root / "solutions")
     assert _scores(course_db) == {STUDENT: {}, "zed": zed}
     assert not (tmp_path / "no-gradebook.db").exists()
+
+
+def test_every_hidden_test_cell_of_the_course_is_one_the_check_sees():
+    """RequireHiddenChecks finds a hidden block's checks by its imports: every exercise's hidden
+    block must import them in a form it reads, from a module that exists."""
+    sources = sorted((ROOT / "solutions").glob("*/*.ipynb"))
+    assert sources
+    for source in sources:
+        hidden_blocks = [cell.source for cell in nbformat.read(source, as_version=4).cells
+                         if "### BEGIN HIDDEN TESTS" in cell.source]
+        for block in hidden_blocks:
+            modules = hidden_modules(block)
+            assert modules, f"{source.name}: a hidden block imports no hidden checks:\n{block}"
+            assert all(importlib.util.find_spec(module) for module in modules), modules
