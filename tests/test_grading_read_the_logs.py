@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import ast
 import inspect
-import json
 import re
 import shutil
 import sys
-from pathlib import Path
 
 import cloudpickle
 import nbformat
@@ -394,8 +392,9 @@ def test_the_student_repository_holds_no_hidden_fields_value_in_read_the_logs_co
     for path, text in files.items():
         if path.endswith(".ipynb"):
             notebook = nbformat.reads(text, as_version=4)
-            assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")
-            codes = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+            code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
+            assert all(not cell.get("outputs") for cell in code_cells), path
+            codes = [cell.source for cell in code_cells]
         else:
             codes = [text]
         found += [(path, value, leaks(value, truths)) for code in codes
