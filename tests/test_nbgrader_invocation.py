@@ -214,6 +214,8 @@ def _scores(db: Path) -> dict[str, dict[str, float | None]]:
     return result
 
 
+# nbgrader's own Gradebook.add_submission warns so (as it does in `nbgrader autograde`).
+@pytest.mark.filterwarnings("ignore:Object of type <Submitted")
 def test_a_grading_runs_gradebooks_are_recorded_in_the_course_gradebook_keeping_the_others(
         course, tmp_path):
     root, _ = course
