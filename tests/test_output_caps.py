@@ -132,7 +132,7 @@ def _kernel_cap() -> int:
 
 
 def test_plain_nbgrader_finds_the_capped_preprocessor_from_any_folder(tmp_path):
-    """`nbgrader autograde --config autograder/nbgrader_config.py` runs a script whose folder,
+    """`nbgrader autograde --JupyterApp.config_file=autograder/nbgrader_config` runs a script whose folder,
     not the repository, is on sys.path: the config file must make autograder/ importable."""
     probe = ("import importlib.util\n"
              "from traitlets.config.loader import PyFileConfigLoader\n"
