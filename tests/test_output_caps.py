@@ -132,8 +132,9 @@ def _kernel_cap() -> int:
 
 
 def test_plain_nbgrader_finds_the_capped_preprocessor_from_any_folder(tmp_path):
-    """`nbgrader autograde --JupyterApp.config_file=autograder/nbgrader_config` runs a script whose folder,
-    not the repository, is on sys.path: the config file must make autograder/ importable."""
+    """`nbgrader autograde --JupyterApp.config_file=autograder/nbgrader_config` runs a script whose
+    folder, not the repository, is on sys.path: the config file must make autograder/
+    importable."""
     probe = ("import importlib.util\n"
              "from traitlets.config.loader import PyFileConfigLoader\n"
              f"c = PyFileConfigLoader('nbgrader_config.py', path={str(AUTOGRADER_DIR)!r})"
