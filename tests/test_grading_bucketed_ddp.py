@@ -111,8 +111,9 @@ ONLY_RANK_1_BROADCASTS = ("dist.broadcast(tensor, src=0)",
 
 
 def test_one_mistake_fails_one_test():
-    """A wrong broadcast_parameters and a missing division: the BucketedDDP tests give the class a
-    known-good broadcast_parameters, and only the test of the values sees the sum (and says so)."""
+    """A wrong broadcast_parameters and a missing division: the BucketedDDP tests put rank 0's
+    state in place of broadcast_parameters, and only the test of the values sees the sum (and
+    says so)."""
     _, BucketedDDP = build(ONLY_RANK_1_BROADCASTS, SUM_NOT_MEAN)
     with pytest.raises(CheckFailed) as failed:
         checks.check_bucketed_ddp_matches_one_process(BucketedDDP)
@@ -169,7 +170,7 @@ def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(
      checks.check_broadcast_parameters_two_ranks, "is not rank 0's value"),
     ("the sum, and the checks rebound in the ranks", [SUM_NOT_MEAN, REBINDS_THE_CHECKS],
      checks.check_bucketed_ddp_matches_one_process, "largest difference"),
-    ("a wrong broadcast_parameters: replaced by a known-good one for the class's tests",
+    ("a wrong broadcast_parameters: replaced by rank 0's state for the class's tests",
      [ONLY_RANK_1_BROADCASTS, SUM_NOT_MEAN], checks.check_bucketed_ddp_matches_one_process,
      "did you divide the sum"),
     ("all-reduces only after backward", [("if self._missing[index] == 0:\n            "
@@ -204,6 +205,7 @@ def honest_training_report(world_size, bucket_cap_mb, steps):
     reference = checks.one_process(world_size, bucket_cap_mb, "plain", torch.float32, 0, steps)
     plan = reference.plan
     return {"is_module": True, "construction_collectives": ["broadcast_"],
+            "broadcast_parameters_called": True,
             "state": reference.state, "weights": reference.weights,
             "steps": [{"returned": "None", "allreduce_bytes": list(plan.bucket_bytes),
                        "other_collectives": [], "launched_at_input": [plan.early],

@@ -152,9 +152,9 @@ class BucketedDDP(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, bucket_cap_mb: float):
         """Wrap `module`: broadcast rank 0's state, then put the parameters into buckets.
 
-        First call `broadcast_parameters(module)` (by that name: the tests of this class give
-        it a known-good one, so that a mistake there costs only part 3's points). Then put the
-        parameters that require gradients into buckets, walking `module.parameters()` in
+        First call `broadcast_parameters(module)` (by that name: the tests of this class put
+        rank 0's state in place of it, so that a mistake there costs only part 3's points). Then
+        put the parameters that require gradients into buckets, walking `module.parameters()` in
         reverse order: add parameters to the current bucket until the next one would take it
         over `bucket_cap_mb` MiB (`bucket_cap_mb * 1024 * 1024` bytes, as DDP counts), then
         start a new bucket. A bucket may hold exactly the cap: start a new one only when the

@@ -263,26 +263,33 @@ def global_batch(world_size: int, dtype: torch.dtype, seed: int):
     return x, y
 
 
-def known_good_broadcast_parameters(module: nn.Module) -> None:
-    """What ``broadcast_parameters`` must do (its own tests judge the student's): the
-    ``BucketedDDP`` tests give the student's class this one, so that a mistake in
-    ``broadcast_parameters`` costs its own tests' points and no others."""
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(tensor, src=0)
-
-
-def with_known_good_broadcast(BucketedDDP: Any) -> Any:
+def with_rank0_state(BucketedDDP: Any, rank0_state: dict[str, torch.Tensor],
+                     calls: list) -> Any:
     """The student's class, where its code calls ``broadcast_parameters`` by that global name,
-    calling :func:`known_good_broadcast_parameters` instead. Only in this rank: the class was
-    rebuilt here from its pickle, with globals of its own."""
+    getting rank 0's initial state copied in instead (no communication: the grader built rank
+    0's model itself, from its seed). So a mistake in ``broadcast_parameters`` costs its own
+    tests' points and no others, and nothing here is a ``broadcast_parameters`` a student could
+    hand in. Only in this rank: the class was rebuilt here from its pickle, with globals of its
+    own. Each call is appended to ``calls``."""
+
+    def rank0_state_copied_in(module: nn.Module) -> None:
+        calls.append(True)
+        with torch.no_grad():
+            for name, tensor in state_of(module).items():  # the model, or a wrapper around it
+                source = next((key for key in rank0_state
+                               if name == key or name.endswith("." + key)), None)
+                if source is None:
+                    raise CheckFailed(f"broadcast_parameters was called on a module holding "
+                                      f"{name!r}, which the model passed to BucketedDDP lacks")
+                tensor.copy_(rank0_state[source])
+
     for klass in getattr(BucketedDDP, "__mro__", ()):
         if klass in (nn.Module, object):
             continue
         for attribute in vars(klass).values():
             namespace = getattr(getattr(attribute, "__func__", attribute), "__globals__", None)
             if isinstance(namespace, dict) and "broadcast_parameters" in namespace:
-                namespace["broadcast_parameters"] = known_good_broadcast_parameters
+                namespace["broadcast_parameters"] = rank0_state_copied_in
     return BucketedDDP
 
 
@@ -296,16 +303,19 @@ JUDGED = ("values", "buckets", "overlap", "values and buckets", "all")
 
 def observe_bucketed_training(rank, world_size, BucketedDDP, bucket_cap_mb, variant="plain",
                               dtype_name="float32", seed=0, steps=3, judged="all"):
-    """Train ``steps`` SGD steps with the student's wrapper (its ``broadcast_parameters`` a known
-    good one) and record, right after construction, after every step and at the end, what the
-    judge compares with one process."""
-    BucketedDDP = with_known_good_broadcast(BucketedDDP)
+    """Train ``steps`` SGD steps with the student's wrapper (its ``broadcast_parameters`` replaced,
+    see :func:`with_rank0_state`) and record, right after construction, after every step and at
+    the end, what the judge compares with one process."""
     dtype = DTYPES[dtype_name]
+    broadcast_calls: list = []
+    BucketedDDP = with_rank0_state(BucketedDDP, state_of(reference_net(variant, dtype, seed)),
+                                   broadcast_calls)
     model = make_net(variant, dtype, rank_seed(seed, rank))
     with CommAudit() as construction:
         wrapped = BucketedDDP(model, bucket_cap_mb)
     observation = {"is_module": isinstance(wrapped, nn.Module),
                    "construction_collectives": list(construction.record.collectives),
+                   "broadcast_parameters_called": bool(broadcast_calls),
                    "state": copy_of(state_of(model)), "steps": [], "weights": {}}
     if not observation["is_module"]:
         return observation  # nothing to train: the judge says why
@@ -393,14 +403,16 @@ def judge_bucketed_training(observations, world_size, bucket_cap_mb, variant="pl
     def judge_rank(rank, observation):
         if observed(observation, "is_module", bool) is not True:
             raise CheckFailed(f"{what}: BucketedDDP must be a torch.nn.Module")
-        if values and not observed(observation, "construction_collectives", list):
+        called = observed(observation, "broadcast_parameters_called", bool)
+        collectives = observed(observation, "construction_collectives", list)
+        if values and not (called or collectives):
             raise CheckFailed(f"{what}: the constructor made no collective call; it must "
                               "broadcast rank 0's parameters and buffers: call "
                               "broadcast_parameters(module)")
         if values:
             expect_rank0_state(observed(observation, "state", dict), reference.state,
-                               f"{what}, right after BucketedDDP(...) (it calls a known-good "
-                               "broadcast_parameters here)")
+                               f"{what}, right after BucketedDDP(...) (its broadcast_parameters "
+                               "gets rank 0's state right here)")
         records = observed(observation, "steps", list)
         if len(records) != steps:
             raise CheckFailed(f"{what}: the rank's report has {len(records)} steps, not {steps}")
