@@ -277,8 +277,10 @@ def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None 
     out = out.resolve()
     found, chosen, previous = plan(submissions.resolve(), assignment, out, students, shard)
     out.mkdir(parents=True, exist_ok=True)
-    token = uuid.uuid4().hex[:12]
-    workers, staged = out / f".grading-{token}", out / f".staged-{token}"
+    # Short names: each student's kernel sockets live below these folders, and a Unix socket's
+    # path may not exceed 107 bytes (longer ones fail with ZMQError "File name too long").
+    token = uuid.uuid4().hex[:3]
+    workers, staged = out / f".g{token}", out / f".s{token}"
     try:
         results, jobs, elapsed = _grade_all(chosen, found, assignment, workers, jobs,
                                             cell_timeout, student_timeout)

@@ -329,7 +329,8 @@ def update_output(out: Path, staged: Path) -> dict:
         check_updatable(previous, new.assignment, new.shard, new.whole_class)
     # a shard's new output has the same students as its old one (check_updatable): all replaced
     kept = [_without(previous, set(new.students))] if previous and new.shard.count == 1 else []
-    check_mergeable(kept + [new])  # one assignment, and now no student twice
+    if kept:  # a shard's own output is complete as it is; with kept rows: no student twice
+        check_mergeable(kept + [new])
     scratch = staged / ".replaced"
     scratch.mkdir()
     for student in new.students:
