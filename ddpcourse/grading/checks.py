@@ -375,8 +375,9 @@ def ran_student_code(stack: str) -> bool:
 
 def grader_collective_waited_in(stack: str) -> str | None:
     """The collective a timed-out rank was waiting in (``all_reduce (probe_group)``: the
-    collective, and the grader's function that made it) when that wait was the grader's own, after the student's function had returned: the main thread's innermost frames
-    are communication, and the first frame outside the libraries is the grader's. None otherwise
+    collective, and the grader's function that made it) when that wait was the grader's own,
+    after the student's function had returned: the main thread's innermost frames are
+    communication, and the first frame outside the libraries is the grader's. None otherwise
     (the rank was in the student's code, or starting)."""
     main_thread = stack.split("\nThread 0x")[0]
     collective = None
@@ -406,6 +407,23 @@ def observed(observation: Any, key: str, kind: type | tuple[type, ...]) -> Any:
     if not isinstance(value, kind):
         raise CheckFailed(f"the rank's report has {key!r} of type {type(value).__name__}")
     return value
+
+
+def reported_tensors(state: dict, want: dict[str, torch.Tensor], whose: str) -> dict:
+    """A rank's report of named tensors (a model's parameters and buffers, say), read as untrusted
+    data: exactly the names of ``want``, each a dense CPU tensor of its dtype and shape.
+    ``whose`` starts each message, e.g. "2 ranks, step 3: the head's"."""
+    if set(state) != set(want):
+        raise CheckFailed(f"{whose} state holds {cut_text(sorted(map(str, state)), 300)}, "
+                          f"expected {sorted(want)}")
+    for name, expected in want.items():
+        got = state[name]
+        if (not isinstance(got, torch.Tensor) or got.layout != torch.strided
+                or got.device.type != "cpu" or got.shape != expected.shape
+                or got.dtype != expected.dtype):
+            raise CheckFailed(f"{whose} {name!r} is not a {expected.dtype} tensor of shape "
+                              f"{tuple(expected.shape)} (the rank's report has {type_name(got)})")
+    return state
 
 
 def judge_each_rank(observations: Sequence[Any], judge_rank: Callable[[int, Any], None]) -> None:

@@ -29,8 +29,8 @@ from torch.nn import functional as F
 from torch.utils.data import IterableDataset
 
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, RemoteFunction,
-                                      cut_text, judge_each_rank, observed, run_student,
-                                      safe_text, type_name)
+                                      cut_text, judge_each_rank, observed, reported_tensors,
+                                      run_student, safe_text, type_name)
 from ddpcourse.launcher import wait_until_ready
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
@@ -374,21 +374,6 @@ def expected_gather(world_size, situation) -> torch.Tensor:
     return torch.cat([predictions(seed, rank, rows[rank], kind) for rank in range(world_size)])
 
 
-def _read_state(call: dict, want: dict[str, torch.Tensor], what: str) -> dict:
-    state = observed(call, "state", dict)
-    if set(state) != set(want):
-        raise CheckFailed(f"{what}: the model's state holds {_text(sorted(map(str, state)))}, "
-                          f"expected {sorted(want)}")
-    for name, expected in want.items():
-        got = state[name]
-        if (not isinstance(got, torch.Tensor) or got.layout != torch.strided
-                or got.device.type != "cpu" or got.shape != expected.shape
-                or got.dtype != expected.dtype):
-            raise CheckFailed(f"{what}: the model's {name!r} is not a {expected.dtype} tensor of "
-                              f"shape {tuple(expected.shape)}")
-    return state
-
-
 def _judge_state(state: dict, want: dict, what: str, hint: str, names=None) -> None:
     for name in names if names is not None else want:
         if not torch.allclose(state[name], want[name], rtol=RTOL, atol=ATOL):
@@ -444,7 +429,7 @@ def judge_log(observations, world_size, situations) -> None:
         states = []
 
         def judge_rank(rank, call):
-            state = _read_state(call, want, what)
+            state = reported_tensors(observed(call, "state", dict), want, f"{what}: the model's")
             states.append(state)
             got = observed(call, "logged", list)
             if rank != 0:
@@ -486,7 +471,8 @@ def judge_evaluate(observations, world_size, situations) -> None:
         states = []
 
         def judge_rank(rank, call):
-            state = _read_state(call, wants[rank], what)
+            state = reported_tensors(observed(call, "state", dict), wants[rank],
+                                     f"{what}: the model's")
             states.append(state)
             if observed(call, "training", bool) is not True:
                 raise CheckFailed(f"{what}: the model handed in is left in eval mode; put it "
@@ -530,7 +516,7 @@ def judge_shard(observations, world_size, situations) -> None:
         states = []
 
         def judge_rank(rank, call):
-            state = _read_state(call, want, what)
+            state = reported_tensors(observed(call, "state", dict), want, f"{what}: the model's")
             states.append(state)
             got = observed(call, "steps", (int, type(None)))
             if got != steps:
@@ -558,7 +544,7 @@ def judge_skip(observations, world_size, situations) -> None:
         states = []
 
         def judge_rank(rank, call):
-            state = _read_state(call, want, what)
+            state = reported_tensors(observed(call, "state", dict), want, f"{what}: the model's")
             states.append(state)
             got = observed(call, "applied", (list, type(None)))
             if got != applied or observed(call, "returned_length", int) != len(applied):

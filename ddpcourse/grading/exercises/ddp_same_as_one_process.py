@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpcourse.grading.checks import (Case, CheckFailed, judge_each_rank, observed, run_student,
-                                      type_name)
+from ddpcourse.grading.checks import (Case, CheckFailed, judge_each_rank, observed,
+                                      reported_tensors, run_student, type_name)
 from ddpcourse.toys import TinyMLP
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
@@ -177,21 +177,6 @@ def reference_run(kind: str, rows: int, steps: int, lr: float, seed: int):
     return x, _state(rank0_start), _state(trained)
 
 
-def reported_state(state: dict, reference: dict[str, torch.Tensor], what: str):
-    if set(state) != set(reference):
-        raise CheckFailed(f"{what}: after training, the model's parameters and buffers are "
-                          f"{_text(sorted(map(str, state)))}, expected {sorted(reference)}")
-    for name, want in reference.items():
-        got = state[name]
-        if (not isinstance(got, torch.Tensor) or got.layout != torch.strided
-                or got.device.type != "cpu" or got.shape != want.shape
-                or got.dtype != want.dtype):
-            raise CheckFailed(f"{what}: after training, {name!r} is not a {want.dtype} tensor of "
-                              f"shape {tuple(want.shape)} (the rank's report has "
-                              f"{type_name(got)})")
-    return state
-
-
 def judge_ddp(observations, world_size, kind="tiny", rows=8, steps=5, lr=0.1, seed=0,
               checks=ALL_CHECKS):
     what = f"{world_size} ranks, {rows} rows, {steps} steps, lr {lr}, {kind} model"
@@ -235,7 +220,8 @@ def judge_ddp(observations, world_size, kind="tiny", rows=8, steps=5, lr=0.1, se
                                      observed(observation, "returned_module", bool), what)
         if "shares" in checks:
             rows_seen(observation)
-        reported_state(observed(observation, "state", dict), reference, what)
+        reported_tensors(observed(observation, "state", dict), reference,
+                         f"{what}: after training, the model's")
 
     judge_each_rank(observations, judge_rank)
     # Every rank's report is sound from here on; what follows compares ranks, then each rank

@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddpcourse.grading.checks import (Case, CheckFailed, cut_text, judge_each_rank, observed,
-                                      run_student, safe_text, type_name)
+                                      reported_tensors, run_student, safe_text, type_name)
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 ATOL, RTOL = 1e-5, 1e-5  # on the weights
@@ -275,22 +275,6 @@ def _modules_from(state: dict) -> tuple[nn.Module, nn.Module]:
     return backbone, head
 
 
-def _reported_state(call: dict, module: str, want: dict[str, torch.Tensor], what: str) -> dict:
-    state = observed(call, module, dict)
-    if set(state) != set(want):
-        raise CheckFailed(f"{what}: after training, the {module}'s parameters are "
-                          f"{_text(sorted(map(str, state)))}, expected {sorted(want)}")
-    for name, expected in want.items():
-        got = state[name]
-        if (not isinstance(got, torch.Tensor) or got.layout != torch.strided
-                or got.device.type != "cpu" or got.shape != expected.shape
-                or got.dtype != expected.dtype):
-            raise CheckFailed(f"{what}: after training, the {module}'s {name!r} is not a "
-                              f"{expected.dtype} tensor of shape {tuple(expected.shape)} (the "
-                              f"rank's report has {type_name(got)})")
-    return state
-
-
 def _close(got: dict, want: dict) -> bool:
     return all(torch.allclose(got[m][n], want[m][n], rtol=RTOL, atol=ATOL)
                for m in MODULES for n in want[m])
@@ -335,7 +319,8 @@ def judge_situation(calls: list, world_size: int, situation: Situation, checks) 
     def judge_rank(rank, call):
         if not isinstance(call, dict):
             raise CheckFailed(f"the rank's report of a call is a {type_name(call)}")
-        state = {m: _reported_state(call, m, expected.reference[m], what) for m in MODULES}
+        state = {m: reported_tensors(observed(call, m, dict), expected.reference[m],
+                                     f"{what}: after training, the {m}'s") for m in MODULES}
         if "in_place" in checks:
             _judge_in_place(rank, state, expected, situation, what)
         if "rows" in checks:

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, cut_text, group_problem,
-                                      judge_each_rank, observed, run_student, safe_text,
-                                      type_name)
+                                      judge_each_rank, observed, reported_tensors, run_student,
+                                      safe_text, type_name)
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 FEATURES, HIDDEN, CLASSES = 6, 16, 3
@@ -501,21 +501,6 @@ BATCHNORM_MISTAKES = {
 # --- judging labs 13 and 14 ---------------------------------------------------------------------
 
 
-def _reported_state(call: dict, key: str, want: dict[str, torch.Tensor], what: str) -> dict:
-    state = observed(call, key, dict)
-    if set(state) != set(want):
-        raise CheckFailed(f"{what}: the {key}'s state has {cut_text(sorted(map(str, state)), 300)}"
-                          f", expected {sorted(want)}")
-    for name, expected in want.items():
-        got = state[name]
-        if (not isinstance(got, torch.Tensor) or got.layout != torch.strided
-                or got.device.type != "cpu" or got.shape != expected.shape
-                or got.dtype != expected.dtype):
-            raise CheckFailed(f"{what}: the {key}'s {name!r} is not a {expected.dtype} tensor of "
-                              f"shape {tuple(expected.shape)} ({type_name(got)})")
-    return state
-
-
 def _close(got: dict, want: dict) -> bool:
     return all(torch.allclose(got[n].double(), want[n].double(), rtol=RTOL, atol=ATOL)
                for n in want)
@@ -602,7 +587,8 @@ def _judge_temperature(observations, world_size, situations):
         states = []
 
         def read(rank, call):
-            states.append({k: _reported_state(call, k, reference[k], what)
+            states.append({k: reported_tensors(observed(call, k, dict), reference[k],
+                                               f"{what}: the {k}'s")
                            for k in ("model", "criterion")})
 
         judge_each_rank(calls, read)
@@ -627,10 +613,11 @@ def _judge_batchnorm(observations, world_size, situations):
                 raise CheckFailed(f"{what}: train_and_evaluate returned "
                                   f"{cut_text(observed(call, 'returned', str), 80)}, expected "
                                   "the evaluation's output tensor")
-            states.append({"model": _reported_state(call, "model", reference["model"], what),
-                           "evaluation": _reported_state({"evaluation": {"output": output}},
-                                                         "evaluation", wanted["evaluation"],
-                                                         what)})
+            states.append({"model": reported_tensors(observed(call, "model", dict),
+                                                     wanted["model"], f"{what}: the model's"),
+                           "evaluation": reported_tensors({"output": output},
+                                                          wanted["evaluation"],
+                                                          f"{what}: the evaluation's")})
 
         wanted = {"model": reference["model"], "evaluation": {"output": reference["output"]}}
         judge_each_rank(calls, read)
