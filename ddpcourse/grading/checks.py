@@ -462,6 +462,22 @@ def reported_calls(observation: Any, count: int) -> list:
     return calls
 
 
+def every_ranks_calls(observations: Sequence[Any], count: int) -> list[list[dict]]:
+    """Every rank's ``calls`` (see :func:`reported_calls`), each a dict, indexed ``[rank][call]``;
+    one CheckFailed naming every rank whose report is not that."""
+    reports: list = []
+
+    def read(rank, observation):
+        calls = reported_calls(observation, count)
+        for call in calls:
+            if not isinstance(call, dict):
+                raise CheckFailed(f"the rank's report of a call is a {type_name(call)}")
+        reports.append(calls)
+
+    judge_each_rank(observations, read)
+    return reports
+
+
 def type_name(value: Any) -> str:
     """How an observation names a returned value (never the object itself: it could be the
     student's)."""

@@ -29,7 +29,8 @@ from torch.nn import functional as F
 from torch.utils.data import IterableDataset
 
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, RemoteFunction,
-                                      cut_text, judge_each_rank, observed, reported_tensors,
+                                      cut_text, every_ranks_calls, judge_each_rank, observed,
+                                      reported_tensors,
                                       run_student, safe_text, type_name)
 from ddpcourse.launcher import wait_until_ready
 
@@ -394,20 +395,7 @@ def _judge_replicas(states: list, names, what: str) -> None:
 
 
 def _judge_calls(observations, world_size, situations, judge_one) -> None:
-    reports = []
-
-    def read(rank, observation):
-        calls = observed(observation, "calls", list)
-        if len(calls) != len(situations):
-            raise CheckFailed(f"the rank's report has {len(calls)} calls instead of "
-                              f"{len(situations)} (did the code replace the check's own "
-                              "functions?)")
-        for call in calls:
-            if not isinstance(call, dict):
-                raise CheckFailed(f"the rank's report of a call is a {type_name(call)}")
-        reports.append(calls)
-
-    judge_each_rank(observations, read)
+    reports = every_ranks_calls(observations, len(situations))
     for number, situation in enumerate(situations):
         judge_one([report[number] for report in reports], world_size, situation)
 

@@ -44,8 +44,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddpcourse.grading.checks import (Case, CheckFailed, cut_text, judge_each_rank, observed,
-                                      reported_tensors, run_student, safe_text, type_name)
+from ddpcourse.grading.checks import (Case, CheckFailed, cut_text, every_ranks_calls,
+                                      judge_each_rank, observed, reported_tensors, run_student,
+                                      safe_text, type_name)
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 ATOL, RTOL = 1e-5, 1e-5  # on the weights
@@ -295,17 +296,7 @@ def _largest_difference(got: dict, want: dict) -> tuple[float, str]:
 
 
 def judge_training(observations, world_size, situations, checks=ALL_CHECKS):
-    reports: list = []
-
-    def read_rank(rank, observation):
-        calls = observed(observation, "calls", list)
-        if len(calls) != len(situations):
-            raise CheckFailed(f"the rank's report has {len(calls)} calls instead of "
-                              f"{len(situations)} (did the code replace the check's own "
-                              "functions?)")
-        reports.append(calls)
-
-    judge_each_rank(observations, read_rank)
+    reports = every_ranks_calls(observations, len(situations))
     for number, situation in enumerate(situations):
         judge_situation([report[number] for report in reports], world_size,
                         Situation(*situation), checks)

@@ -47,9 +47,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, cut_text, group_problem,
-                                      judge_each_rank, observed, reported_tensors, run_student,
-                                      safe_text, type_name)
+from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, cut_text,
+                                      every_ranks_calls, group_problem, judge_each_rank, observed,
+                                      reported_tensors, run_student, safe_text, type_name)
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 FEATURES, HIDDEN, CLASSES = 6, 16, 3
@@ -165,19 +165,7 @@ def _join_what(launcher: str, world_size: int, nodes: int) -> str:
 
 
 def judge_join(observations, world_size, situations, token):
-    reports: list = []
-
-    def read(rank, observation):
-        calls = observed(observation, "calls", list)
-        if len(calls) != len(situations):
-            raise CheckFailed(f"the rank's report has {len(calls)} calls instead of "
-                              f"{len(situations)}")
-        for call in calls:
-            if not isinstance(call, dict):
-                raise CheckFailed(f"the rank's report of a call is a {type_name(call)}")
-        reports.append(calls)
-
-    judge_each_rank(observations, read)
+    reports = every_ranks_calls(observations, len(situations))
     for number, (launcher, nodes) in enumerate(situations):
         calls = [report[number] for report in reports]
         what = _join_what(launcher, world_size, nodes)
@@ -510,19 +498,6 @@ def _largest(got: dict, want: dict) -> tuple[float, str]:
     return max(((got[n].double() - want[n].double()).abs().max().item(), n) for n in want)
 
 
-def _read_calls(observations, count: int) -> list[list[dict]]:
-    reports: list = []
-
-    def read(rank, observation):
-        calls = observed(observation, "calls", list)
-        if len(calls) != count or not all(isinstance(c, dict) for c in calls):
-            raise CheckFailed(f"the rank's report does not hold {count} calls")
-        reports.append(calls)
-
-    judge_each_rank(observations, read)
-    return reports
-
-
 def _judge_group(rank: int, call: dict) -> None:
     problem = observed(call, "group", (str, type(None)))
     if problem is not None:
@@ -577,7 +552,7 @@ def judge_batchnorm(observations, world_size, situations):
 
 
 def _judge_temperature(observations, world_size, situations):
-    reports = _read_calls(observations, len(situations))
+    reports = every_ranks_calls(observations, len(situations))
     for number, situation in enumerate(situations):
         s = Situation(*situation)
         what = s.describe(world_size)
@@ -598,7 +573,7 @@ def _judge_temperature(observations, world_size, situations):
 
 
 def _judge_batchnorm(observations, world_size, situations):
-    reports = _read_calls(observations, len(situations))
+    reports = every_ranks_calls(observations, len(situations))
     for number, situation in enumerate(situations):
         s = Situation(*situation)
         what = s.describe(world_size)

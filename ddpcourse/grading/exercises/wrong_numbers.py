@@ -58,8 +58,8 @@ from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, audited_traffic,
-                                      cut_text, judge_each_rank, observed, run_student,
-                                      safe_text, type_name)
+                                      cut_text, every_ranks_calls, judge_each_rank, observed,
+                                      run_student, safe_text, type_name)
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 AUDITED_CASES_BUILD_DDP = True  # the grader's one-rank hosts preload what DDP imports
@@ -280,11 +280,7 @@ def _judge_accuracy_call(rank: int, call: Any, s: dict, world_size: int, what: s
 def judge_accuracy(observations, world_size, situations):
     """Situation by situation: each rank's own call, the share each rank evaluated, the samples
     evaluated together, the value (the same on every rank, the exact one-process accuracy)."""
-    calls_by_rank = [observed(o, "calls", list) for o in observations]
-    for rank, calls in enumerate(calls_by_rank):
-        if len(calls) != len(situations):
-            raise CheckFailed(f"rank {rank}'s report has {len(calls)} calls instead of "
-                              f"{len(situations)} (did the code replace the check's functions?)")
+    calls_by_rank = every_ranks_calls(observations, len(situations))
     for number, s in enumerate(situations):
         what = _describe_accuracy(s, world_size)
         calls = [calls[number] for calls in calls_by_rank]
@@ -456,11 +452,7 @@ def _judge_order(rank: int, call: Any, s: dict, world_size: int, want: list, wha
 def judge_epochs(observations, world_size, situations):
     """Situation by situation: each rank's batches, epoch by epoch, against torch's sampler; the
     replicas; the weights against one process."""
-    calls_by_rank = [observed(o, "calls", list) for o in observations]
-    for rank, calls in enumerate(calls_by_rank):
-        if len(calls) != len(situations):
-            raise CheckFailed(f"rank {rank}'s report has {len(calls)} calls instead of "
-                              f"{len(situations)} (did the code replace the check's functions?)")
+    calls_by_rank = every_ranks_calls(observations, len(situations))
     for number, s in enumerate(situations):
         what = _describe_epochs(s, world_size)
         calls = [calls[number] for calls in calls_by_rank]
