@@ -77,6 +77,15 @@ def test_every_fact_asked_is_found_in_the_committed_logs():
         assert all(value is not None for value in facts.values()), (lab, facts)
 
 
+def test_the_lesson_reads_none_of_the_logs_the_exercise_asks_about():
+    """Its worked examples come from lesson_job.py: an excerpt of an exercise log would show the
+    ranks, lines and collectives the exercise asks for."""
+    lesson = (ROOT / "chapters/09_debugging/09_debugging.nb.py").read_text()
+    shown = set(re.findall(r"""excerpt\(["']([\w.]+)\.log["']""", lesson))
+    asked = {name for names in checks.LABS.values() for name in names}
+    assert shown and not shown & asked, shown & asked
+
+
 def test_the_visible_digests_are_those_of_the_facts_parsed_from_the_committed_logs():
     assert checks.DIGESTS == hidden.visible_digests(), (
         "the logs changed: print the new table with `python -m autograder.hidden.read_the_logs` "
@@ -115,6 +124,7 @@ def test_the_logs_say_what_the_exercise_teaches():
 
 @pytest.mark.parametrize("log, script", [
     *((name, "failing_job.py") for name in CPU_LOGS),
+    *((name, "lesson_job.py") for name in ("lesson_raise", "lesson_raise_record", "lesson_abort")),
     ("gpu_duplicate_no_set_device", "gpu_duplicate.py"),
     ("gpu_duplicate_set_device", "gpu_duplicate.py"),
 ])
@@ -126,7 +136,7 @@ def test_the_scripts_beside_the_logs_still_have_the_lines_the_logs_quote(log, sc
     quoted = [(int(found.group(2)), following.strip())
               for line, following in zip(lines, lines[1:])
               for found in [hidden.FRAME.search(line)]
-              if found and found.group(1).endswith(("failing_job.py", "dup_gpu.py"))
+              if found and found.group(1).endswith((script, "dup_gpu.py"))
               and not hidden.FRAME.search(following)]  # interleaved ranks: the next frame
     assert quoted
     for number, text in quoted:

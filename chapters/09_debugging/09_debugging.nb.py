@@ -213,21 +213,25 @@ assert stack_of_a_hung_rank.problems(stacks) == []
 # When one rank fails, torchrun's agent stops the others and prints a report of the whole
 # group. It is long, and the useful part is at two places. The logs below were captured with
 # torch 2.13 on the CPU by `captured_logs/make_logs.py` (each file's header gives the machine,
-# date, torch version and the exact command); the job is `captured_logs/failing_job.py`, where
-# rank 1 meets a corrupt record at step 3.
+# date, torch version and the exact command); the job is `captured_logs/lesson_job.py`, where
+# rank 0 fails at step 2 while rank 1 waits for it in the step's all-reduce. (The exercise
+# `read_the_logs` asks the same questions of other jobs' logs.)
 #
 # 1. **The `[rankN]:` tracebacks** (every line a rank prints after `init_process_group` is
 #    prefixed `[rankN]:`, by the excepthook it installs in torch/distributed/distributed_c10d.py).
-#    Look for the rank with an error **of its own**: here rank 1's `ValueError`. The other ranks'
-#    tracebacks are consequences: their next collective lost its peer ("Connection closed by
-#    peer") or timed out. The last frame of *your* code in that traceback is the line.
+#    Look for the rank with an error **of its own**: in `lesson_raise.log`, rank 0's
+#    `FloatingPointError`. The other ranks' tracebacks are consequences: their next collective
+#    lost its peer ("Connection closed by peer") or timed out. The last frame of *your* code in
+#    that traceback is the line. A rank killed by a signal prints no traceback at all: in
+#    `lesson_abort.log` the only traceback is rank 1's consequence, and the table below names the
+#    rank that died.
 # 2. **The table at the end** (`ChildFailedError`) gives every rank's exit code. The ranks with
 #    **−15 (SIGTERM) did nothing wrong**: the agent stopped them after the first failure. Do not
 #    debug them. Its "Root Cause (first observed failure)" is only torchrun's guess: the entry
 #    with the smallest timestamp, in whole seconds, ties going to the first entry, and without
 #    `@record` the time is when the agent noticed the exit (`ChildFailedError.get_first_failure`
-#    in torch/distributed/elastic/multiprocessing/errors/__init__.py). In `timeout.log` below
-#    it names rank 0 only because of such a tie; the traceback with an error of its own decides.
+#    in torch/distributed/elastic/multiprocessing/errors/__init__.py). When two ranks fail within
+#    the same second it can name the wrong one; the traceback with an error of its own decides.
 #
 # | exit code | meaning | where to look |
 # |---|---|---|
@@ -256,8 +260,8 @@ def excerpt(name: str, *patterns: str, limit: int = 14) -> None:
     print()
 
 
-excerpt("raise.log", "[rank1]: ", "Root Cause", "exitcode", "rank      :")
-excerpt("sigkill.log", "Root Cause", "exitcode", "rank      :")
+excerpt("lesson_raise.log", "[rank0]: ", "Root Cause", "exitcode", "rank      :")
+excerpt("lesson_abort.log", "Error:", "Root Cause", "exitcode", "rank      :")
 
 # %% [markdown]
 # **`@record`.** Without it the report says `error_file: <N/A>` and `traceback : To enable
@@ -269,14 +273,14 @@ excerpt("sigkill.log", "Root Cause", "exitcode", "rank      :")
 # on `faulthandler`, so a crash in native code prints the Python stacks:
 
 # %%
-excerpt("raise_record.log", "error_file", "traceback :", "ValueError", limit=8)
+excerpt("lesson_raise_record.log", "error_file", "traceback :", "FloatingPointError", limit=8)
 
 # %% [markdown]
-# The collective timeout and the DETAIL mismatch of section 2, as a whole job prints them:
-
-# %%
-excerpt("timeout.log", "Timed out", "monitoredBarrier", "Root Cause", "exitcode", limit=8)
-excerpt("mismatch_detail.log", "Detected mismatch", "Root Cause", "exitcode", limit=6)
+# With `@record` even the rank stopped with −15 has an error file: rank 1 had recorded its
+# "Connection closed by peer" just before the agent stopped it. It is still a consequence.
+# A collective timeout and a DETAIL mismatch look in a whole job's report as they did in
+# section 2, under each rank's `[rankN]:` prefix; the exercise `read_the_logs` has you find
+# ranks, lines and collectives in such logs yourself.
 
 # %% [markdown]
 # ## 6. On GPUs: one GPU per rank, NCCL's watchdog, the flight recorder
@@ -304,12 +308,11 @@ excerpt("mismatch_detail.log", "Detected mismatch", "Root Cause", "exitcode", li
 #   `NCCL_DEBUG=INFO` (or `WARN`) prints NCCL's own view: its version, the network it chose,
 #   the rings.
 #
-# The real logs of two ranks on one GPU, and of `NCCL_DEBUG=INFO` with a flight-recorder dump,
-# captured on one NVIDIA H200 (torch 2.11.0+cu130, NCCL 2.28.9):
+# The real log of `NCCL_DEBUG=INFO` with a flight-recorder dump, captured on one NVIDIA H200
+# (torch 2.11.0+cu130, NCCL 2.28.9). The logs of two ranks on one GPU, captured there too, are
+# the exercise `read_the_logs`'s last lab.
 
 # %%
-excerpt("gpu_duplicate_set_device.log", "Duplicate GPU", "ncclInvalidUsage", limit=4)
-excerpt("gpu_duplicate_no_set_device.log", "Duplicate GPU", "dist.all_reduce", limit=4)
 excerpt("gpu_one_rank_nccl_info.log", "NCCL version", "NET/", "nccl:all_reduce", limit=8)
 
 # %%

@@ -1,5 +1,5 @@
-"""Capture the CPU logs of this folder: run failing_job.py under torchrun once per failure and
-write everything it printed (stdout and stderr, in order) to NAME.log, under a header saying the
+"""Capture the CPU logs of this folder: run failing_job.py (the exercise's logs) and lesson_job.py
+(the lesson's, ``lesson_*.log``) under torchrun once per failure and write everything it printed (stdout and stderr, in order) to NAME.log, under a header saying the
 machine, the date, the torch version and the exact command.
 
     python chapters/09_debugging/captured_logs/make_logs.py
@@ -27,6 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 JOB = HERE.relative_to(ROOT) / "failing_job.py"
+LESSON_JOB = HERE.relative_to(ROOT) / "lesson_job.py"
 DEADLINE_S = 120.0  # a capture needs a few seconds (timeout: 5 more); only a hang reaches this
 HEADER_END = "# ---- captured output (stdout and stderr, in order) ----"
 
@@ -35,11 +36,12 @@ HEADER_END = "# ---- captured output (stdout and stderr, in order) ----"
 class Capture:
     arguments: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
+    job: Path = JOB
 
     def command(self) -> str:
         """The command as typed in a shell at the repository root."""
         prefix = "".join(f"{key}={value} " for key, value in self.env.items())
-        return (f"{prefix}torchrun --standalone --nproc-per-node 2 {JOB} "
+        return (f"{prefix}torchrun --standalone --nproc-per-node 2 {self.job} "
                 + " ".join(self.arguments))
 
 
@@ -49,6 +51,9 @@ CAPTURES = {
     "timeout": Capture(("timeout",)),
     "mismatch_detail": Capture(("mismatch",), {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
     "sigkill": Capture(("sigkill",)),
+    "lesson_raise": Capture(("raise",), job=LESSON_JOB),
+    "lesson_raise_record": Capture(("raise", "--record"), job=LESSON_JOB),
+    "lesson_abort": Capture(("abort",), job=LESSON_JOB),
 }
 
 
@@ -86,7 +91,7 @@ def capture_one(name: str, into: Path) -> Path:
 
     capture = CAPTURES[name]
     command = " ".join([*map(_quote, torchrun()), "--standalone", "--nproc-per-node", "2",
-                        str(JOB), *capture.arguments]) + " 2>&1"
+                        str(capture.job), *capture.arguments]) + " 2>&1"
     finished = run_bounded(command, DEADLINE_S, cwd=ROOT, env=clean_env(capture.env), shell=True)
     if finished.timed_out:
         raise RuntimeError(f"{name}: still running after {DEADLINE_S:g} s:\n{finished.stdout}")
