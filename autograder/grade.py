@@ -12,13 +12,17 @@ come back to it and are killed. Results: ``OUT/grades.csv`` (nbgrader export's c
 ``status``, ``flags``, ``notes``, and each notebook's subtotal and test cells: see
 ``autograder/gradesheet.py``), ``OUT/feedback/{student}/{assignment}/*.html`` (a page for every
 notebook of the assignment, handed in or not, each opening with the assignment's total),
-``OUT/work/``, ``OUT/summary.json``, and a summary table on stdout.
+``OUT/work/``, ``OUT/summary.json``, ``OUT/gradebook.db`` (the course gradebook: nbgrader's own
+database, where ``nbgrader export``, formgrader and ``generate_feedback`` find every student's
+grades; autograder/nbgrader_config.py points nbgrader at ``autograder/course/gradebook.db``, the
+default OUT's), and a summary table on stdout.
 
 **Nothing is lost.** A run grades into folders of its own inside ``OUT`` (the sandbox hides
 ``OUT`` from the students' kernels, these folders included) and touches ``OUT``'s results only
 once every submission is graded: then it replaces the feedback, log and work folder of each
-student it graded, and rewrites ``grades.csv`` and ``summary.json`` with their new rows and
-everyone else's rows as they were (``autograder/merge.py``'s :func:`update_output`). So
+student it graded, records their submissions in the course gradebook in place of their old ones,
+and rewrites ``grades.csv`` and ``summary.json`` with their new rows and everyone else's rows as
+they were (``autograder/merge.py``'s :func:`update_output`). So
 ``--student bob`` re-grades bob alone, and grading a few late submissions into the class's
 ``OUT`` adds their rows. Every file is replaced by a rename, ``summary.json`` last; an
 interrupted run leaves ``OUT``'s results as they were. ``--shard I/N`` grades one shard of the
@@ -44,9 +48,9 @@ from pathlib import Path
 import nbformat
 
 from autograder import gradesheet
-from autograder.merge import (DEFAULT_EXPORT_COLUMNS, FIXED_COLUMNS, MergeError, Shard,
-                              check_updatable, load, update_output)
-from autograder.nbgrader_api import REPO
+from autograder.merge import (DEFAULT_EXPORT_COLUMNS, FIXED_COLUMNS, GRADEBOOK, MergeError,
+                              Shard, check_updatable, load, update_output)
+from autograder.nbgrader_api import REPO, hold_for_review, record_class_in_course_gradebook
 from autograder.notices import add_summary, assignment_summary, write_missing_notice, write_notice
 from autograder.trusted import GRADER_NOTE
 from ddpcourse.launcher.processes import kill_process_group, live_descendants, process_table
@@ -416,6 +420,21 @@ def _stage(results: list[dict], assignment: str, staged: Path, workers: Path, ou
             (staged / "work").mkdir(parents=True, exist_ok=True)
             shutil.copyfile(log, staged / "work" / log.name)
     _write_csv(results, assignment, staged, exports=workers)
+    _record_gradebook(results, assignment, staged / GRADEBOOK, workers, out / GRADEBOOK)
+
+
+def _record_gradebook(results: list[dict], assignment: str, db: Path, workers: Path,
+                      course: Path) -> None:
+    """This run's students in a course gradebook of its own (nbgrader's database), from each
+    worker's gradebook; a student flagged for tampering is held for review with 0 points.
+    Nothing when no worker left a gradebook and OUT has none to update."""
+    graded = {result["student"]: workers / result["student"] / GRADEBOOK for result in results}
+    if not course.is_file() and not any(path.is_file() for path in graded.values()):
+        return
+    record_class_in_course_gradebook(f"sqlite:///{db}", assignment, graded)
+    flagged = [result["student"] for result in results
+               if result["status"] == "flagged for tampering"]
+    hold_for_review(f"sqlite:///{db}", assignment, flagged)
 
 
 def _reap_adopted_orphans(running: list[_Worker]) -> None:

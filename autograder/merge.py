@@ -21,13 +21,13 @@ and ``merged_from`` says where each part came from. It refuses, before writing a
 for different assignments, a student in two outputs, a shard that is missing, doubled or saw
 another class, and a folder that is not a finished grading output. The outputs merged need not
 be shards: any grading outputs of one assignment with no student in common merge the same way.
-Each kind of result is merged by a step of its own (:data:`MERGE_STEPS`; merging the students'
-gradebooks into one course gradebook would be one more).
+Each kind of result is merged by a step of its own (:data:`MERGE_STEPS`), the course gradebook
+(``gradebook.db``, nbgrader's database) included: the merged one holds every part's submissions.
 
 **The update** (:func:`update_output`) is how ``grade`` writes its results into ``OUT``, and the
 one place where a student already in ``OUT`` is replaced rather than refused: the run's output
-(staged inside ``OUT``) brings its students' rows, feedback and logs, and ``OUT`` keeps every
-other student's as they were, byte for byte (:func:`check_updatable` says which outputs may be
+(staged inside ``OUT``) brings its students' rows, feedback, logs and gradebook submissions,
+and ``OUT`` keeps every other student's as they were (rows, feedback and logs byte for byte) (:func:`check_updatable` says which outputs may be
 updated by which runs). ``merge`` still refuses a student in two outputs: two grading outputs
 do not say which of their rows is the one to keep; a re-grading run does.
 """
@@ -265,7 +265,32 @@ def merge_summary(parts: list[GradingOutput], out: Path) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
-MERGE_STEPS = (merge_feedback, merge_csv, merge_summary)
+GRADEBOOK = "gradebook.db"
+
+
+def merge_gradebook(parts: list[GradingOutput], out: Path) -> None:
+    """One course gradebook holding every part's submissions (a student whose part has no
+    gradebook is recorded without one); none when no part has a gradebook."""
+    if not any((part.path / GRADEBOOK).is_file() for part in parts):
+        return
+    _record_into(out / GRADEBOOK, parts[0].assignment,
+                 {student: part.path / GRADEBOOK for part in parts for student in part.students},
+                 scratch=out)
+
+
+def _record_into(course: Path, assignment: str, graded: dict[str, Path], scratch: Path) -> None:
+    """Record ``graded``'s submissions into a copy of ``course`` (or a new gradebook), then put
+    the copy in its place by a rename."""
+    from autograder.nbgrader_api import record_class_in_course_gradebook
+
+    updated = scratch / f".{GRADEBOOK}.new"
+    if course.is_file():
+        shutil.copyfile(course, updated)
+    record_class_in_course_gradebook(f"sqlite:///{updated}", assignment, graded)
+    os.replace(updated, course)
+
+
+MERGE_STEPS = (merge_feedback, merge_csv, merge_gradebook, merge_summary)
 
 
 def merge_outputs(paths: list[Path], out: Path) -> dict:
@@ -341,6 +366,12 @@ def update_output(out: Path, staged: Path) -> dict:
         if (staged / log).is_file():
             (out / "work").mkdir(parents=True, exist_ok=True)
             os.replace(staged / log, out / log)
+    if (staged / GRADEBOOK).is_file():
+        if kept and (out / GRADEBOOK).is_file():
+            _record_into(out / GRADEBOOK, new.assignment,
+                         {student: staged / GRADEBOOK for student in new.students}, staged)
+        else:  # the run's gradebook is the whole class's
+            os.replace(staged / GRADEBOOK, out / GRADEBOOK)
     merge_csv(kept + [new], staged)
     os.replace(staged / "grades.csv", out / "grades.csv")
     summary = new.summary

@@ -204,3 +204,24 @@ def _check_same_cells(grades, course, assignment: str) -> None:
             f"{assignment} was graded with test cells (notebook, cell, points) the course's "
             f"source no longer has, or without some it has: graded only "
             f"{sorted(graded - defined)}, source only {sorted(defined - graded)}")
+
+
+def hold_for_review(course_db_url: str, assignment: str, students: list[str]) -> None:
+    """Mark the submissions of students flagged for tampering as nbgrader marks them for review
+    (``flagged``), and score them 0 until then by a manual score of 0 on every graded cell:
+    nbgrader counts a manual score in place of the automatic one, so ``nbgrader export`` gives the
+    0 that grades.csv gives, and an instructor who clears the flag in formgrader and deletes the
+    manual scores gets the automatic scores back."""
+    from nbgrader.api import Gradebook, MissingEntry
+
+    with Gradebook(course_db_url) as course:
+        for student in students:
+            try:
+                submission = course.find_submission(assignment, student)
+            except MissingEntry:  # nothing was graded: nothing to hold
+                continue
+            for notebook in submission.notebooks:
+                notebook.flagged = True
+                for grade in notebook.grades:
+                    grade.manual_score = 0.0
+        course.db.commit()

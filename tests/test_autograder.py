@@ -161,6 +161,25 @@ def test_every_student_gets_a_small_feedback_page_without_the_hidden_checks(grad
                 assert line not in text, f"hidden check code shown to {student}: {line}"
 
 
+def test_nbgrader_export_of_the_course_gradebook_gives_the_csvs_scores(graded, tmp_path):
+    """OUT/gradebook.db is nbgrader's own database: its export, as autograder/README.md gives the
+    command, has every student with the score grades.csv has (flagged students held at 0)."""
+    rows, out = graded[:2]
+    exported = tmp_path / "export.csv"
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "nbgrader"), "export",
+         "--JupyterApp.config_file=autograder/nbgrader_config",
+         f"--CourseDirectory.db_url=sqlite:///{out / 'gradebook.db'}", "--to", str(exported)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with open(exported) as f:
+        export = {row["student_id"]: row for row in csv.DictReader(f)}
+    assert sorted(export) == sorted(rows)
+    for student, row in rows.items():
+        assert float(export[student]["score"]) == float(row["score"]), student
+        assert float(export[student]["max_score"]) == float(row["max_score"]), student
+
+
 def test_the_summary_table_lists_everyone(graded):
     stdout = graded[2]
     for student in EXPECTED:

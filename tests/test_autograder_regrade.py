@@ -27,7 +27,7 @@ from autograder import grade as grade_module
 from autograder import gradesheet
 from autograder.__main__ import main
 from autograder.sources import assignments
-from fake_class import CORRECT, EXPECTED, build, write_class
+from fake_class import CORRECT, EXPECTED, build, gradebook_submissions, write_class
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSIGNMENT = "05_allreduce"
@@ -275,7 +275,8 @@ def regraded(tmp_path_factory):
     first = {"csv": csv_lines(out / "grades.csv"), "rows": read_csv(out / "grades.csv")[1],
              "oscar": files_of(out, "oscar"), "bob": files_of(out, "bob"),
              "summary": json.loads((out / "summary.json").read_text()),
-             "log inodes": {student: log_inode(out, student) for student in STUDENTS}}
+             "log inodes": {student: log_inode(out, student) for student in STUDENTS},
+             "gradebook": gradebook_submissions(out, ASSIGNMENT)}
     nbformat.write(build(CORRECT), root / "submitted/bob" / ASSIGNMENT / "allreduce_by_hand.ipynb")
     stdout = grade(root, out, "--student", "bob", "--jobs", "1")
     return first, out, stdout
@@ -325,3 +326,14 @@ def test_the_regraded_student_is_updated(regraded):
     assert f"{ASSIGNMENT}: 13 of 26 points" in page
     assert (out / "work/bob/autograded/bob" / ASSIGNMENT / "allreduce_by_hand.ipynb").exists()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_the_course_gradebook_is_updated_for_the_regraded_student_only(regraded):
+    first, out, _ = regraded
+    _, rows = read_csv(out / "grades.csv")
+    now = gradebook_submissions(out, ASSIGNMENT)
+    assert {s: score for s, (score, _, _) in first["gradebook"].items()} == {
+        s: float(r["score"]) for s, r in first["rows"].items()}
+    assert now["oscar"] == first["gradebook"]["oscar"]
+    assert {s: score for s, (score, _, _) in now.items()} == {
+        s: float(r["score"]) for s, r in rows.items()}

@@ -29,7 +29,7 @@ from test_autograder import processes_marked
 from autograder.__main__ import build_parser, main
 from autograder.grade import _write_csv
 from autograder.merge import DEFAULT_EXPORT_COLUMNS, Shard
-from fake_class import EXPECTED, write_class
+from fake_class import EXPECTED, gradebook_submissions, write_class
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "autograder" / "slurm"
@@ -106,6 +106,16 @@ def test_the_merged_csv_is_the_single_runs(runs):
     assert {r["student_id"]: (float(r["score"]), r["status"]) for r in rows} == {
         s: (float(EXPECTED[s][0]), EXPECTED[s][1]) for s in STUDENTS}
     assert rows[0]["flags"] and "tampering" in rows[0]["notes"]
+
+
+def test_the_merged_gradebook_is_the_single_runs(runs):
+    """Every student's submission in nbgrader's database: scores per cell, flags (mallory's
+    tampering holds her at 0 there as in the CSV)."""
+    outs, merged, _ = runs
+    whole = gradebook_submissions(outs["whole"])
+    assert sorted(whole) == STUDENTS
+    assert gradebook_submissions(merged) == whole
+    assert whole["mallory"][:2] == (0.0, True)
 
 
 def test_the_merged_summary_is_the_single_runs(runs):
