@@ -213,7 +213,7 @@ class _Worker:
     ``{student}.result.json``."""
 
     def __init__(self, student: str, submission: Path, assignment: str, root: Path,
-                 cell_timeout: int | None, student_timeout: float):
+                 cell_timeout: int | None, student_timeout: float, duedate: str | None = None):
         self.student = student
         work = root / student
         root.mkdir(parents=True, exist_ok=True)
@@ -221,7 +221,8 @@ class _Worker:
         self.result_path.unlink(missing_ok=True)
         self.log_path = root / f"{student}.log"
         job = {"student": student, "assignment": assignment, "submission": str(submission),
-               "work": str(work), "result": str(self.result_path), "cell_timeout": cell_timeout}
+               "work": str(work), "result": str(self.result_path), "cell_timeout": cell_timeout,
+               "duedate": duedate}
         job_path = root / f"{student}.job.json"
         job_path.write_text(json.dumps(job))
         env = dict(os.environ)
@@ -287,7 +288,8 @@ def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None 
     workers, staged = out / f".g{token}", out / f".s{token}"
     try:
         results, jobs, elapsed = _grade_all(chosen, found, assignment, workers, jobs,
-                                            cell_timeout, student_timeout)
+                                            cell_timeout, student_timeout,
+                                            duedate=due_date(out / GRADEBOOK, assignment))
         for result in results:
             _explain(result, found[result["student"]], workers)
         _stage(results, assignment, staged, workers, out)
@@ -307,9 +309,23 @@ def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None 
     return results
 
 
+def due_date(course: Path, assignment: str) -> str | None:
+    """The assignment's due date in the course gradebook ``course`` (ISO, UTC), if it has one."""
+    if not course.is_file():
+        return None
+    from nbgrader.api import Gradebook, MissingEntry
+
+    with Gradebook(f"sqlite:///{course}") as gradebook:
+        try:
+            duedate = gradebook.find_assignment(assignment).duedate
+        except MissingEntry:
+            return None
+        return duedate.isoformat() if duedate else None
+
+
 def _grade_all(chosen: list[str], found: dict[str, Path], assignment: str, root: Path,
-               jobs: int | None, cell_timeout: int | None, student_timeout: float
-               ) -> tuple[list[dict], int, float]:
+               jobs: int | None, cell_timeout: int | None, student_timeout: float,
+               duedate: str | None = None) -> tuple[list[dict], int, float]:
     pending = [(student, found[student]) for student in chosen]
     jobs = jobs or os.cpu_count() or 1
     running: list[_Worker] = []
@@ -320,7 +336,7 @@ def _grade_all(chosen: list[str], found: dict[str, Path], assignment: str, root:
             while pending and len(running) < jobs:
                 student, folder = pending.pop(0)
                 running.append(_Worker(student, folder, assignment, root, cell_timeout,
-                                       student_timeout))
+                                       student_timeout, duedate))
             for worker in list(running):
                 result = worker.poll()
                 if result is not None:
@@ -411,7 +427,8 @@ def _stage(results: list[dict], assignment: str, staged: Path, workers: Path, ou
                                      notebook.slug, notebook.points, handed_in)
         summary = assignment_summary(
             assignment, result["score"], gradesheet.max_points(assignment),
-            [(nb.slug, score, nb.points) for nb, score in gradesheet.notebook_scores(result)])
+            [(nb.slug, score, nb.points) for nb, score in gradesheet.notebook_scores(result)],
+            late=result.get("late"))
         for page in sorted(target.glob("*.html")):
             add_summary(page, summary)
         result["feedback"] = str(out / "feedback" / student / assignment)
@@ -425,11 +442,14 @@ def _stage(results: list[dict], assignment: str, staged: Path, workers: Path, ou
 
 def _record_gradebook(results: list[dict], assignment: str, db: Path, workers: Path,
                       course: Path) -> None:
-    """This run's students in a course gradebook of its own (nbgrader's database), from each
-    worker's gradebook; a student flagged for tampering is held for review with 0 points.
-    Nothing when no worker left a gradebook and OUT has none to update."""
+    """The course gradebook ``course`` (nbgrader's database) as it will be after this run, in
+    ``db``: a copy of it (or a new one) with this run's students recorded from each worker's
+    gradebook; a student flagged for tampering is held for review with 0 points. Nothing when no
+    worker left a gradebook and OUT has none to update."""
     graded = {result["student"]: workers / result["student"] / GRADEBOOK for result in results}
-    if not course.is_file() and not any(path.is_file() for path in graded.values()):
+    if course.is_file():  # its roster, due dates and other students are kept
+        shutil.copyfile(course, db)
+    elif not any(path.is_file() for path in graded.values()):
         return
     record_class_in_course_gradebook(f"sqlite:///{db}", assignment, graded)
     flagged = [result["student"] for result in results

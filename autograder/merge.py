@@ -366,12 +366,8 @@ def update_output(out: Path, staged: Path) -> dict:
         if (staged / log).is_file():
             (out / "work").mkdir(parents=True, exist_ok=True)
             os.replace(staged / log, out / log)
-    if (staged / GRADEBOOK).is_file():
-        if kept and (out / GRADEBOOK).is_file():
-            _record_into(out / GRADEBOOK, new.assignment,
-                         {student: staged / GRADEBOOK for student in new.students}, staged)
-        else:  # the run's gradebook is the whole class's
-            os.replace(staged / GRADEBOOK, out / GRADEBOOK)
+    if (staged / GRADEBOOK).is_file():  # OUT's, with this run's students recorded (grade.py)
+        os.replace(staged / GRADEBOOK, out / GRADEBOOK)
     merge_csv(kept + [new], staged)
     os.replace(staged / "grades.csv", out / "grades.csv")
     summary = new.summary

@@ -90,3 +90,12 @@ c.CappedExecute.max_notebook_output_bytes = 2_000_000
 c.OverwriteCells.add_missing_cells = True
 c.LimitOutput.max_lines = 300
 c.LimitOutput.max_traceback = 80
+
+# Late penalties: nbgrader's AssignLatePenalties (above) asks this plugin for each notebook of a
+# submission whose timestamp.txt is past the assignment's due date. Set the due date in the course
+# gradebook with nbgrader's own `nbgrader db assignment add NN_topic --duedate="YYYY-MM-DD HH:MM:SS
+# UTC" --JupyterApp.config_file=autograder/nbgrader_config` (or formgrader); without one, nothing
+# is late. The policy: a share of the notebook's score per day started (autograder/late_penalty.py);
+# nbgrader's built-in ones are `LateSubmissionPlugin` with penalty_method "none" or "zero".
+c.AssignLatePenalties.plugin_class = "autograder.late_penalty.PercentPerDay"
+c.PercentPerDay.percent_per_day = 10.0

@@ -38,9 +38,13 @@ def write_missing_notice(dest: Path, student: str, assignment: str, slug: str, p
 
 
 def assignment_summary(assignment: str, total: float, maximum: float,
-                       notebooks: list[tuple[str, float | None, float]]) -> str:
+                       notebooks: list[tuple[str, float | None, float]],
+                       late: dict | None = None) -> str:
     """An HTML block with the assignment's total and each notebook's score (None: not handed in),
-    put at the top of every feedback page of the assignment."""
+    put at the top of every feedback page of the assignment; ``late`` ({seconds, penalty}): how
+    late it was handed in and what that cost."""
+    from autograder.late_penalty import lateness
+
     items = "".join(
         f"<li>{html.escape(slug)}: "
         + ("not handed in, 0" if score is None else f"{score:g}") + f" of {points:g}</li>"
@@ -48,7 +52,10 @@ def assignment_summary(assignment: str, total: float, maximum: float,
     return ("<div class='assignment-summary' style='border:1px solid #888;padding:0.5em 1em;"
             "margin:0.5em 0'>"
             f"<strong>{html.escape(assignment)}: {total:g} of {maximum:g} points</strong>"
-            f"<ul>{items}</ul></div>")
+            + (f" (handed in {lateness(late['seconds'])} after the due date: a late penalty "
+               f"of {late['penalty']:g} points, taken from {total + late['penalty']:g})"
+               if late else "")
+            + f"<ul>{items}</ul></div>")
 
 
 def add_summary(page: Path, summary: str) -> None:

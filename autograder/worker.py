@@ -25,7 +25,7 @@ from pathlib import Path
 import nbformat
 from traitlets.config import Config
 
-from autograder import sandbox, trusted
+from autograder import late_penalty, sandbox, trusted
 from autograder.nbgrader_api import REPO, api_for, check, load_config
 from autograder.notices import write_notice
 from autograder.relayed import RelayedRanks
@@ -52,21 +52,34 @@ def _setup_first(path: Path) -> bool:
     return True
 
 
-def _scores(config, assignment: str, student: str) -> tuple[float, float, dict]:
-    from nbgrader.api import Gradebook
-
-    from nbgrader.api import MissingEntry
+def _scores(config, assignment: str, student: str) -> tuple[float, float, dict, dict | None]:
+    """The submission's score after its late penalty (as ``nbgrader export``'s ``score``), the
+    maximum, each cell's [score, maximum], and how late it was ({seconds, penalty}; None: not)."""
+    from nbgrader.api import Gradebook, MissingEntry
 
     with Gradebook(config.CourseDirectory.db_url) as gb:
         try:
             submission = gb.find_submission(assignment, student)
         except MissingEntry:
-            return 0.0, float(gb.find_assignment(assignment).max_score), {}
+            return 0.0, float(gb.find_assignment(assignment).max_score), {}, None
         cells = {}
         for notebook in submission.notebooks:
             for grade in notebook.grades:
                 cells[grade.name] = [float(grade.score or 0.0), float(grade.max_score)]
-        return float(submission.score or 0.0), float(submission.max_score), cells
+        penalty = float(submission.late_submission_penalty or 0.0)
+        late = ({"seconds": submission.total_seconds_late, "penalty": round(penalty, 4)}
+                if submission.total_seconds_late > 0 else None)
+        return (float(submission.score or 0.0) - penalty, float(submission.max_score), cells,
+                late)
+
+
+def _set_due_date(db_url: str, assignment: str, duedate: str) -> None:
+    """The course's due date on this worker's gradebook, where autograde computes penalties."""
+    from nbgrader.api import Gradebook
+    from nbgrader.utils import parse_utc
+
+    with Gradebook(db_url) as gb:
+        gb.update_or_create_assignment(assignment, duedate=parse_utc(duedate))
 
 
 def _export(config, assignment: str, student: str, dest: Path) -> None:
@@ -182,6 +195,7 @@ class _Prepared:
     kernel_box: sandbox.Sandbox | None
     host_box: sandbox.Sandbox | None
     started: float
+    duedate: str | None = None  # the course gradebook's, for nbgrader's late penalties
 
     @property
     def submitted(self) -> Path:
@@ -236,7 +250,7 @@ def _prepare(job: dict) -> _Prepared:
     os.environ[GRADED_FUNCTIONS] = ",".join(
         sorted({name for cells in graded_outside.values() for name in trusted.graded_names(cells)}))
     return _Prepared(student, assignment, work, config, graded_outside, in_kernel, flags, moved,
-                     sandbox_warning, kernel_box, host_box, started)
+                     sandbox_warning, kernel_box, host_box, started, job.get("duedate"))
 
 
 def _rank_host(prepared: _Prepared, rank: int, relay_dir: Path) -> trusted.ObservationHost:
@@ -281,6 +295,8 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
     submitted, autograded, kernel_dir = prepared.submitted, prepared.autograded, prepared.kernel_dir
     api = api_for(config)
     check(api.generate_assignment(assignment, force=True, create=True), "generate_assignment")
+    if prepared.duedate:
+        _set_due_date(config.CourseDirectory.db_url, assignment, prepared.duedate)
     autograde = api.autograde(assignment, student, force=True, create=True)
     status, notes = "graded", [prepared.sandbox_warning] if prepared.sandbox_warning else []
     if prepared.in_kernel:
@@ -298,6 +314,7 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
                                     verdicts)
             trusted.annotate(notebook, verdicts)
             notes.append(f"{slug}: scores computed outside the notebook")
+    late_penalty.reassess(config, config.CourseDirectory.db_url, assignment, student)
     if prepared.sandbox_warning:
         for notebook in sorted(autograded.glob("*.ipynb")):
             _open_with_warning(notebook, prepared.sandbox_warning)
@@ -317,7 +334,10 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
                           "not be interrupted, so no test ran to completion.\n\n"
                           + "\n\n".join(reasons) + "\n\nnbgrader's log:\n"
                           + (autograde.get("log") or "")[-4000:])
-    score, max_score, cells = _scores(config, assignment, student)
+    score, max_score, cells, late = _scores(config, assignment, student)
+    if late:
+        notes.append(f"late by {late_penalty.lateness(late['seconds'])}: "
+                     f"-{late['penalty']:g} points")
     flags = prepared.flags
     if flags:
         status, score = "flagged for tampering", 0.0
@@ -332,7 +352,7 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
                           "has reviewed it.\n\n" + "\n".join(flags))
     _export(config, assignment, student, prepared.work / "grades.csv")
     return {"student": student, "assignment": assignment, "status": status, "score": score,
-            "max_score": max_score, "cells": cells, "flags": flags, "notes": notes,
+            "max_score": max_score, "cells": cells, "flags": flags, "notes": notes, "late": late,
             "feedback": str(feedback_dir),
             "seconds": round(time.monotonic() - prepared.started, 1)}
 

@@ -176,7 +176,7 @@ def test_nbgrader_export_of_the_course_gradebook_gives_the_csvs_scores(graded, t
         export = {row["student_id"]: row for row in csv.DictReader(f)}
     assert sorted(export) == sorted(rows)
     for student, row in rows.items():
-        assert float(export[student]["score"]) == float(row["score"]), student
+        assert float(export[student]["score"]) == pytest.approx(float(row["score"])), student
         assert float(export[student]["max_score"]) == float(row["max_score"]), student
 
 

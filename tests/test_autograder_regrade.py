@@ -81,7 +81,7 @@ def stand_in_workers(scores: dict[str, dict[str, float]], status: dict[str, str]
     in, an nbgrader export, a log) with ``scores[student]`` (grade id -> score) for its cells."""
     points = {grade_id: p for nb in gradesheet.layout(ASSIGNMENT) for grade_id, p in nb.cells}
 
-    def grade_all(chosen, found, assignment, root, jobs, cell_timeout, student_timeout):
+    def grade_all(chosen, found, assignment, root, jobs, cell_timeout, student_timeout, duedate=None):
         results = []
         for student in chosen:
             work = root / student
@@ -199,7 +199,7 @@ def test_an_interrupted_run_leaves_out_as_it_was(small_class, monkeypatch):
     root, out = small_class
     snapshot = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
-    def interrupted(*args):
+    def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(grade_module, "_grade_all", interrupted)
@@ -266,11 +266,29 @@ def grade(root: Path, out: Path, *args: str) -> str:
     return done.stdout
 
 
+DUE = "2026-12-01 17:00:00 UTC"
+OSCAR_HANDED_IN = "2026-12-03 05:00:00.000000 UTC"  # 1 day 12 h late: 2 days started, -20 %
+OSCAR_PENALTY = round(EXPECTED["oscar"][0] * 0.2, 6)
+
+
+def set_due_date(out: Path) -> None:
+    """As autograder/nbgrader_config.py says to: nbgrader's own command on the course gradebook."""
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "nbgrader"), "db", "assignment", "add", ASSIGNMENT,
+         f"--duedate={DUE}", "--JupyterApp.config_file=autograder/nbgrader_config",
+         f"--CourseDirectory.db_url=sqlite:///{out / 'gradebook.db'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 @pytest.fixture(scope="module")
 def regraded(tmp_path_factory):
-    """The two graded at once; then bob fixes his notebook and is re-graded alone."""
+    """The two graded at once, oscar late; then bob fixes his notebook and is re-graded alone."""
     root = write_class(tmp_path_factory.mktemp("class"), STUDENTS)
     out = root / "out"
+    set_due_date(out)
+    (root / "submitted/oscar" / ASSIGNMENT / "timestamp.txt").write_text(OSCAR_HANDED_IN)
     grade(root, out, "--jobs", "2")
     first = {"csv": csv_lines(out / "grades.csv"), "rows": read_csv(out / "grades.csv")[1],
              "oscar": files_of(out, "oscar"), "bob": files_of(out, "bob"),
@@ -286,17 +304,18 @@ def test_the_first_run_grades_both_and_shows_the_missing_notebook(regraded):
     first, out, _ = regraded
     rows = first["rows"]
     assert {s: (float(r["score"]), r["status"]) for s, r in rows.items()} == {
-        s: (float(EXPECTED[s][0]), EXPECTED[s][1]) for s in STUDENTS}
+        "bob": (float(EXPECTED["bob"][0]), EXPECTED["bob"][1]),
+        "oscar": (pytest.approx(EXPECTED["oscar"][0] - OSCAR_PENALTY), EXPECTED["oscar"][1])}
     assert "missing: allreduce_by_hand" in rows["oscar"]["notes"]
     assert "missing: bucketed_ddp" in rows["bob"]["notes"]
     oscar = EXPECTED["oscar"][0]  # all of it from bucketed_ddp
     assert (rows["oscar"]["bucketed_ddp (13)"], rows["oscar"]["allreduce_by_hand (13)"]) == (
         f"{oscar:g}", "0")
-    pages = {name: text.decode() for name, text in first["oscar"].items() if name != "log"}
+    pages = {name: text.decode() for name, text in first["oscar"].items() if name.endswith(".html")}
     assert sorted(Path(name).name for name in pages) == ["allreduce_by_hand.html",
                                                          "bucketed_ddp.html"]
     for name, text in pages.items():
-        assert f"{ASSIGNMENT}: {oscar:g} of 26 points" in text, name
+        assert f"{ASSIGNMENT}: {oscar - OSCAR_PENALTY:g} of 26 points" in text, name
         assert "<li>allreduce_by_hand: not handed in, 0 of 13</li>" in text, name
 
 
@@ -333,7 +352,22 @@ def test_the_course_gradebook_is_updated_for_the_regraded_student_only(regraded)
     _, rows = read_csv(out / "grades.csv")
     now = gradebook_submissions(out, ASSIGNMENT)
     assert {s: score for s, (score, _, _) in first["gradebook"].items()} == {
-        s: float(r["score"]) for s, r in first["rows"].items()}
+        s: pytest.approx(float(r["score"])) for s, r in first["rows"].items()}
     assert now["oscar"] == first["gradebook"]["oscar"]
     assert {s: score for s, (score, _, _) in now.items()} == {
-        s: float(r["score"]) for s, r in rows.items()}
+        s: pytest.approx(float(r["score"])) for s, r in rows.items()}
+
+
+def test_a_late_submission_loses_the_configured_share_per_day_started(regraded):
+    """autograder/nbgrader_config.py: 10 % of each notebook's score per day started, computed by
+    nbgrader's AssignLatePenalties from timestamp.txt and the gradebook's due date; the score
+    graded outside the kernel is the one penalized (autograder/late_penalty.py, reassess)."""
+    first, out, _ = regraded
+    oscar = first["rows"]["oscar"]
+    assert float(oscar["raw_score"]) == EXPECTED["oscar"][0]
+    assert float(oscar["late_submission_penalty"]) == pytest.approx(OSCAR_PENALTY)
+    assert float(oscar["score"]) == pytest.approx(EXPECTED["oscar"][0] - OSCAR_PENALTY)
+    assert "late by 1 day 12 h: -2.2 points" in oscar["notes"]
+    page = first["oscar"][f"feedback/oscar/{ASSIGNMENT}/bucketed_ddp.html"].decode()
+    assert "handed in 1 day 12 h after the due date: a late penalty of 2.2 points" in page
+    assert first["rows"]["bob"]["late_submission_penalty"] in ("", "0.0")  # no timestamp: on time

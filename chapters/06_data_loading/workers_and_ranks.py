@@ -38,6 +38,11 @@ from ddpcourse.dist_env import process_group
 from ddpcourse.report import report_checks
 
 SPLITS = ("none", "rank", "rank x worker")
+# A worker that delivers no batch for this long makes its loader raise (naming the workers),
+# instead of leaving the other rank to time out in the next collective without a cause. The
+# group's timeout is longer, so the loader's error is the one reported. Both are generous: on a
+# loaded 2-core machine one run of this script has taken over 35 s.
+LOADER_TIMEOUT_S, GROUP_TIMEOUT_S = 60, 150
 
 
 class Stream(IterableDataset):
@@ -70,7 +75,7 @@ def stream_samples(rank: int, world_size: int, n: int, split: str, num_workers: 
     """In a process group: the samples this rank's DataLoader yields from :class:`Stream`, and its
     number of batches."""
     loader = DataLoader(Stream(n, rank, world_size, split), batch_size=batch_size,
-                        num_workers=num_workers)
+                        num_workers=num_workers, timeout=LOADER_TIMEOUT_S if num_workers else 0)
     batches = [batch.tolist() for batch in loader]
     return {"samples": sorted(itertools.chain.from_iterable(batches)), "batches": len(batches)}
 
@@ -119,6 +124,7 @@ def augmentation_draws(rank: int, world_size: int, seed: int, per_rank: bool,
     random.seed(data_seed)
     dataset = Augmented(n)
     loader = DataLoader(dataset, batch_size=2, num_workers=num_workers,
+                        timeout=LOADER_TIMEOUT_S if num_workers else 0,
                         sampler=DistributedSampler(dataset, shuffle=False),
                         generator=torch.Generator().manual_seed(data_seed),
                         worker_init_fn=seed_worker)
@@ -153,7 +159,7 @@ def check(n: int, world_size: int, num_workers: int, streams: dict, draws: dict,
 
 
 def main() -> int:
-    with process_group(timeout_s=60) as ctx:
+    with process_group(timeout_s=GROUP_TIMEOUT_S) as ctx:
         n, ws, workers = 10, ctx.world_size, 2
         streams = {}
         for split in SPLITS:

@@ -159,11 +159,13 @@ def write_class(root: Path, students=None) -> Path:
 
 def gradebook_submissions(out: Path, assignment: str = "05_allreduce") -> dict[str, tuple]:
     """What the course gradebook ``out/gradebook.db`` (nbgrader's database) holds for each
-    student: (score, flagged, {grade id: score}); a student without a submission is absent."""
+    student: (score after the late penalty, as nbgrader export's ``score``, flagged, {grade id:
+    score}); a student without a submission is absent."""
     from nbgrader.api import Gradebook
 
     with Gradebook(f"sqlite:///{out / 'gradebook.db'}") as gradebook:
         return {submission.student.id: (
-                    submission.score, any(nb.flagged for nb in submission.notebooks),
+                    submission.score - (submission.late_submission_penalty or 0.0),
+                    any(nb.flagged for nb in submission.notebooks),
                     {grade.name: grade.score for nb in submission.notebooks for grade in nb.grades})
                 for submission in gradebook.find_assignment(assignment).submissions}
