@@ -27,8 +27,8 @@ Each kind of result is merged by a step of its own (:data:`MERGE_STEPS`), the co
 **The update** (:func:`update_output`) is how ``grade`` writes its results into ``OUT``, and the
 one place where a student already in ``OUT`` is replaced rather than refused: the run's output
 (staged inside ``OUT``) brings its students' rows, feedback, logs and gradebook submissions,
-and ``OUT`` keeps every other student's as they were (rows, feedback and logs byte for byte) (:func:`check_updatable` says which outputs may be
-updated by which runs). ``merge`` still refuses a student in two outputs: two grading outputs
+and ``OUT`` keeps every other student's as they were (rows, feedback and logs byte for byte;
+:func:`check_updatable` says which outputs may be updated by which runs). ``merge`` still refuses a student in two outputs: two grading outputs
 do not say which of their rows is the one to keep; a re-grading run does.
 """
 

@@ -81,7 +81,8 @@ def stand_in_workers(scores: dict[str, dict[str, float]], status: dict[str, str]
     in, an nbgrader export, a log) with ``scores[student]`` (grade id -> score) for its cells."""
     points = {grade_id: p for nb in gradesheet.layout(ASSIGNMENT) for grade_id, p in nb.cells}
 
-    def grade_all(chosen, found, assignment, root, jobs, cell_timeout, student_timeout, duedate=None):
+    def grade_all(chosen, found, assignment, root, jobs, cell_timeout, student_timeout,
+                  duedate=None):
         results = []
         for student in chosen:
             work = root / student

@@ -1,6 +1,7 @@
 """Capture the CPU logs of this folder: run failing_job.py (the exercise's logs) and lesson_job.py
-(the lesson's, ``lesson_*.log``) under torchrun once per failure and write everything it printed (stdout and stderr, in order) to NAME.log, under a header saying the
-machine, the date, the torch version and the exact command.
+(the lesson's, ``lesson_*.log``) under torchrun once per failure and write everything each run
+printed (stdout and stderr, in order) to NAME.log, under a header saying the machine, the date,
+the torch version and the exact command.
 
     python chapters/09_debugging/captured_logs/make_logs.py
 

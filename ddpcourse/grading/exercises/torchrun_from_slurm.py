@@ -63,28 +63,13 @@ MAX_WORKER_LINES = 64
 WORKER_LINE = re.compile(r"WORKER (\{[^{}]*\})")
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm hostlist such as ``node-[003-004],login1`` (one bracket group
-    per item at most); the grader's reference."""
-    depth, end = 0, len(nodelist)
-    for i, char in enumerate(nodelist):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            end = i
-            break
-    item = nodelist[:end]
-    match = re.fullmatch(r"([^\[\]]*)\[([^\]]*)\](.*)", item)
-    if not match:
-        return item
-    prefix, ranges, suffix = match.groups()
-    return prefix + ranges.split(",")[0].split("-")[0] + suffix
-
-
-def expected_args(env: Mapping[str, str], script: str, port: int) -> dict:
-    """What torchrun's parser must read from a correct command for ``env``."""
+def expected_args(env: Mapping[str, str], head: str, script: str, port: int) -> dict:
+    """What torchrun's parser must read from a correct command for ``env``, whose hostlist's
+    first host is ``head`` (each case states it: these checks hold no hostlist parser, which is
+    the exercise's to write)."""
     return {"nnodes": env["SLURM_NNODES"], "node_rank": int(env["SLURM_NODEID"]),
             "nproc_per_node": env.get("SLURM_GPUS_ON_NODE", "1"),
-            "master_addr": first_host(env["SLURM_JOB_NODELIST"]), "master_port": port,
+            "master_addr": head, "master_port": port,
             "training_script": script, "training_script_args": [], "rdzv_backend": "static",
             "rdzv_endpoint": "", "standalone": False, "module": False, "no_python": False}
 
@@ -200,9 +185,9 @@ def _given(env: dict, marker: list) -> Mapping:
 
 
 def observe_argvs(rank, world_size, fn, cases):
-    """Every case ``(env, script, port or None, what[, "frozen"])`` in a clean process."""
+    """Every case ``(env, script, port or None, what, head[, "frozen"])`` in a clean process."""
     return {"calls": [observe_call(fn, _given(env, marker), script, port)
-                      for env, script, port, _, *marker in cases]}
+                      for env, script, port, _, _, *marker in cases]}
 
 
 def observe_errors(rank, world_size, fn, cases):
@@ -246,11 +231,11 @@ def returned_argv(call, what: str) -> list[str]:
 def judge_argvs(observations, world_size, cases):
     def judge_rank(rank, observation):
         calls = reported_calls(observation, len(cases))
-        for call, (env, script, port, what, *_) in zip(calls, cases):
+        for call, (env, script, port, what, head, *_) in zip(calls, cases):
             label = f"{what} [{describe_env(env)}]"
             argv = returned_argv(call, label)
-            compare_args(parse_torchrun(argv, label), expected_args(env, script, port or 29500),
-                         argv, label)
+            compare_args(parse_torchrun(argv, label),
+                         expected_args(env, head, script, port or 29500), argv, label)
 
     judge_each_rank(observations, judge_rank)
 
@@ -278,12 +263,13 @@ def judge_errors(observations, world_size, cases):
 ARGVS = Case(observe_argvs, judge_argvs)
 ERRORS = Case(observe_errors, judge_errors)
 
-VISIBLE_CASES = [
-    (slurm_env(2, 1, "gpu[07-08]", 4), "train.py", 31000, "node 1 of 2, 4 GPUs per node"),
-    (slurm_env(2, 0, "gpu[07-08]", 4), "train.py", 31000, "node 0 of 2, 4 GPUs per node"),
-    (slurm_env(1, 0, "gpu07"), "train.py", None, "one node, no GPUs, the default port"),
-    (slurm_env(2, 1, "n1,n2"), "/home/me/train.py", 29400, "a plain list of two hosts"),
-    (slurm_env(4, 2, "gpu[07-09,12]", 8), "train.py", 29501, "ranges and single numbers"),
+VISIBLE_CASES = [  # (env, script, port, what, the first host of its SLURM_JOB_NODELIST)
+    (slurm_env(2, 1, "gpu[07-08]", 4), "train.py", 31000, "node 1 of 2, 4 GPUs per node", "gpu07"),
+    (slurm_env(2, 0, "gpu[07-08]", 4), "train.py", 31000, "node 0 of 2, 4 GPUs per node", "gpu07"),
+    (slurm_env(1, 0, "gpu07"), "train.py", None, "one node, no GPUs, the default port", "gpu07"),
+    (slurm_env(2, 1, "n1,n2"), "/home/me/train.py", 29400, "a plain list of two hosts", "n1"),
+    (slurm_env(4, 2, "gpu[07-09,12]", 8), "train.py", 29501, "ranges and single numbers",
+     "gpu07"),
 ]
 VISIBLE_ERRORS = [
     ({}, REQUIRED, "no Slurm variables at all"),
@@ -349,7 +335,8 @@ def tail(text: str, lines: int = 15) -> str:
     return _cut_tail("\n".join(text.strip().splitlines()[-lines:]))
 
 
-def launch_plan(argvs: list, envs: list[dict], script: str, port: int) -> str | None:
+def launch_plan(argvs: list, envs: list[dict], head: str, script: str, port: int
+                ) -> str | None:
     """What the commands call for: "pair" (all right: run every node at once), "lonely" (they
     do not all point at the head node's store: run the last node alone) or None (a command is
     missing or wrong: nothing to run). The rank decides with it what to run; the judge decides
@@ -358,11 +345,10 @@ def launch_plan(argvs: list, envs: list[dict], script: str, port: int) -> str | 
         return None
     try:
         parsed = [parse_torchrun(argv, f"node {i}") for i, argv in enumerate(argvs)]
-        head = first_host(envs[0]["SLURM_JOB_NODELIST"])
         if any((ns.master_addr, ns.master_port) != (head, port) for ns in parsed):
             return "lonely"
         for i, (ns, argv) in enumerate(zip(parsed, argvs)):
-            compare_args(ns, expected_args(envs[i], script, port), argv, f"node {i}")
+            compare_args(ns, expected_args(envs[i], head, script, port), argv, f"node {i}")
     except CheckFailed:
         return None
     return "pair"
@@ -383,7 +369,7 @@ def run_report(done) -> dict:
                         [:MAX_WORKER_LINES]]}
 
 
-def observe_launch(rank, world_size, fn, nnodes, nodelist, gpus, launch_timeout):
+def observe_launch(rank, world_size, fn, nnodes, nodelist, head, gpus, launch_timeout):
     """In a clean process: the student's command of every fake node, then the launch they call
     for, in this process's own temporary folder, on a port that is free here."""
     port = free_port()
@@ -394,7 +380,7 @@ def observe_launch(rank, world_size, fn, nnodes, nodelist, gpus, launch_timeout)
         calls = [observe_call(fn, env, script, port) for env in envs]
         report = {"port": port, "script": script, "calls": calls, "lonely": None, "runs": None}
         argvs = [call["argv"] for call in calls]
-        plan = launch_plan(argvs, envs, script, port)
+        plan = launch_plan(argvs, envs, head, script, port)
         if plan == "lonely":
             report["lonely"] = run_report(run_bounded(
                 runnable(argvs[-1]), LONELY_DEADLINE_S, cwd=work,
@@ -463,7 +449,7 @@ def _worker(text: str) -> dict:
     return {key: report[key] for key in kinds}
 
 
-def worker_reports(observation, nnodes: int, nodelist: str, gpus: int | None,
+def worker_reports(observation, nnodes: int, nodelist: str, head: str, gpus: int | None,
                    launch_timeout: float) -> list[dict]:
     """Judge one rank's launch report; the workers' reports when every node met."""
     port = observed(observation, "port", int)
@@ -477,12 +463,11 @@ def worker_reports(observation, nnodes: int, nodelist: str, gpus: int | None,
     argvs = [returned_argv(call, f"node {i} [{describe_env(env)}]")
              for i, (call, env) in enumerate(zip(calls, envs))]
     parsed = [parse_torchrun(argv, f"node {i}") for i, argv in enumerate(argvs)]
-    head = first_host(nodelist)
     if any((ns.master_addr, ns.master_port) != (head, port) for ns in parsed):
         lonely = _run(observed(observation, "lonely", dict), "the lonely node's launch")
         raise CheckFailed(never_meets(argvs, parsed, head, port, lonely))
     for i, (ns, argv) in enumerate(zip(parsed, argvs)):
-        compare_args(ns, expected_args(envs[i], script, port), argv, f"node {i}")
+        compare_args(ns, expected_args(envs[i], head, script, port), argv, f"node {i}")
     runs = observed(observation, "runs", list)
     if len(runs) != nnodes:
         raise CheckFailed(f"the rank's report has {len(runs)} runs instead of {nnodes}")
@@ -511,27 +496,27 @@ def worker_reports(observation, nnodes: int, nodelist: str, gpus: int | None,
     return reports
 
 
-def judge_launch(observations, world_size, nnodes, nodelist, gpus, launch_timeout):
+def judge_launch(observations, world_size, nnodes, nodelist, head, gpus, launch_timeout):
     judge_each_rank(observations, lambda rank, observation: worker_reports(
-        observation, nnodes, nodelist, gpus, launch_timeout))
+        observation, nnodes, nodelist, head, gpus, launch_timeout))
 
 
 LAUNCH = Case(observe_launch, judge_launch)
 
 
-def launch_nodes(fn, nnodes: int, nodelist: str, gpus: int | None = None,
+def launch_nodes(fn, nnodes: int, nodelist: str, head: str, gpus: int | None = None,
                  **kwargs) -> list[dict]:
     """Run the student's commands of ``nnodes`` fake nodes at once (in a rank); return the
     workers' reports.
 
-    ``nodelist`` must name this machine first (``localhost`` or ``127.0.0.1``)."""
+    ``nodelist`` must name this machine first: ``head`` (``localhost`` or ``127.0.0.1``)."""
     __tracebackhide__ = True  # noqa: F841
     timeout = max(LAUNCH_TIMEOUT_S, LONELY_DEADLINE_S) + CHECK_TIMEOUT_S + 15
-    observations = run_student(LAUNCH, 1, fn, nnodes, nodelist, gpus, LAUNCH_TIMEOUT_S,
+    observations = run_student(LAUNCH, 1, fn, nnodes, nodelist, head, gpus, LAUNCH_TIMEOUT_S,
                                init_process_group=False, timeout=timeout, **kwargs)
-    return worker_reports(observations[0], nnodes, nodelist, gpus, LAUNCH_TIMEOUT_S)
+    return worker_reports(observations[0], nnodes, nodelist, head, gpus, LAUNCH_TIMEOUT_S)
 
 
 def check_torchrun_argv_launches_two_nodes(fn) -> None:
     """Two fake nodes on this machine, one process each, launched for real."""
-    launch_nodes(fn, 2, "localhost,127.0.0.1")
+    launch_nodes(fn, 2, "localhost,127.0.0.1", "localhost")
