@@ -49,8 +49,8 @@ import nbformat
 
 from autograder import gradesheet
 from autograder.merge import (DEFAULT_EXPORT_COLUMNS, FIXED_COLUMNS, GRADEBOOK, MergeError,
-                              Shard, check_updatable, load, update_output)
-from autograder.nbgrader_api import REPO, hold_for_review, record_class_in_course_gradebook
+                              Shard, check_updatable, load, record_into_copy, update_output)
+from autograder.nbgrader_api import REPO, hold_for_review
 from autograder.notices import add_summary, assignment_summary, write_missing_notice, write_notice
 from autograder.trusted import GRADER_NOTE
 from ddpcourse.launcher.processes import kill_process_group, live_descendants, process_table
@@ -447,11 +447,9 @@ def _record_gradebook(results: list[dict], assignment: str, db: Path, workers: P
     gradebook; a student flagged for tampering is held for review with 0 points. Nothing when no
     worker left a gradebook and OUT has none to update."""
     graded = {result["student"]: workers / result["student"] / GRADEBOOK for result in results}
-    if course.is_file():  # its roster, due dates and other students are kept
-        shutil.copyfile(course, db)
-    elif not any(path.is_file() for path in graded.values()):
+    if not course.is_file() and not any(path.is_file() for path in graded.values()):
         return
-    record_class_in_course_gradebook(f"sqlite:///{db}", assignment, graded)
+    record_into_copy(course, db, assignment, graded)
     flagged = [result["student"] for result in results
                if result["status"] == "flagged for tampering"]
     hold_for_review(f"sqlite:///{db}", assignment, flagged)

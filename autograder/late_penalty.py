@@ -37,14 +37,15 @@ class PercentPerDay(LateSubmissionPlugin):
         return min(score, score * self.percent_per_day / 100 * days)
 
 
-def reassess(config, db_url: str, assignment: str, student: str) -> None:
-    """Each notebook's late penalty from its final score, as ``AssignLatePenalties`` computes
-    it (the configured plugin, the penalty kept between 0 and the score)."""
+def reassess(config, assignment: str, student: str) -> None:
+    """Each notebook's late penalty from its final score, in the gradebook ``config`` names, as
+    ``AssignLatePenalties`` computes it (the configured plugin, the penalty kept between 0 and
+    the score)."""
     from nbgrader.api import Gradebook, MissingEntry
     from nbgrader.preprocessors import AssignLatePenalties
 
     plugin = AssignLatePenalties(config=config).plugin_class(config=config)
-    with Gradebook(db_url) as gradebook:
+    with Gradebook(config.CourseDirectory.db_url) as gradebook:
         try:
             submission = gradebook.find_submission(assignment, student)
         except MissingEntry:

@@ -28,8 +28,9 @@ Each kind of result is merged by a step of its own (:data:`MERGE_STEPS`), the co
 one place where a student already in ``OUT`` is replaced rather than refused: the run's output
 (staged inside ``OUT``) brings its students' rows, feedback, logs and gradebook submissions,
 and ``OUT`` keeps every other student's as they were (rows, feedback and logs byte for byte;
-:func:`check_updatable` says which outputs may be updated by which runs). ``merge`` still refuses a student in two outputs: two grading outputs
-do not say which of their rows is the one to keep; a re-grading run does.
+:func:`check_updatable` says which outputs may be updated by which runs). ``merge`` still
+refuses a student in two outputs: two grading outputs do not say which of their rows is the one
+to keep; a re-grading run does.
 """
 
 from __future__ import annotations
@@ -273,21 +274,21 @@ def merge_gradebook(parts: list[GradingOutput], out: Path) -> None:
     gradebook is recorded without one); none when no part has a gradebook."""
     if not any((part.path / GRADEBOOK).is_file() for part in parts):
         return
-    _record_into(out / GRADEBOOK, parts[0].assignment,
-                 {student: part.path / GRADEBOOK for part in parts for student in part.students},
-                 scratch=out)
+    updated = out / f".{GRADEBOOK}.new"
+    graded = {student: part.path / GRADEBOOK for part in parts for student in part.students}
+    record_into_copy(out / GRADEBOOK, updated, parts[0].assignment, graded)
+    os.replace(updated, out / GRADEBOOK)
 
 
-def _record_into(course: Path, assignment: str, graded: dict[str, Path], scratch: Path) -> None:
-    """Record ``graded``'s submissions into a copy of ``course`` (or a new gradebook), then put
-    the copy in its place by a rename."""
+def record_into_copy(course: Path, copy: Path, assignment: str, graded: dict[str, Path]) -> None:
+    """Write to ``copy`` the course gradebook ``course`` (a new one where there is none, else its
+    roster, due dates and other students kept) with ``graded``'s submissions recorded: student ->
+    the gradebook they were graded in. ``course`` itself is not touched."""
     from autograder.nbgrader_api import record_class_in_course_gradebook
 
-    updated = scratch / f".{GRADEBOOK}.new"
     if course.is_file():
-        shutil.copyfile(course, updated)
-    record_class_in_course_gradebook(f"sqlite:///{updated}", assignment, graded)
-    os.replace(updated, course)
+        shutil.copyfile(course, copy)
+    record_class_in_course_gradebook(f"sqlite:///{copy}", assignment, graded)
 
 
 MERGE_STEPS = (merge_feedback, merge_csv, merge_gradebook, merge_summary)

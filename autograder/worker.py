@@ -314,7 +314,7 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
                                     verdicts)
             trusted.annotate(notebook, verdicts)
             notes.append(f"{slug}: scores computed outside the notebook")
-    late_penalty.reassess(config, config.CourseDirectory.db_url, assignment, student)
+    late_penalty.reassess(config, assignment, student)
     if prepared.sandbox_warning:
         for notebook in sorted(autograded.glob("*.ipynb")):
             _open_with_warning(notebook, prepared.sandbox_warning)
