@@ -173,3 +173,24 @@ def short_timeout_group(timeout_s: float, backend: str | None = None) -> dist.Pr
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     dist.barrier()  # every rank has the group before any rank uses it
     return group
+
+
+def loader_workers_context(num_workers: int):
+    """``DataLoader(multiprocessing_context=...)`` for a loader in a rank: workers started by a
+    fork server rather than forked from the rank (``None`` without workers; the DataLoader refuses
+    a context then).
+
+    By the time a rank's loader starts its workers, the rank runs other threads (gloo's, from
+    ``init_process_group`` on), and ``fork`` copies only the calling thread: a lock that another
+    thread holds at that instant stays locked in the worker forever (Python's documentation of
+    ``os.fork``; CPython issue gh-112275; chapter 06, section 6, and
+    benchmarks/fork_with_native_threads.py). The fork server is a fresh, single-threaded process, so
+    its forks are safe. It imports torch once when it starts; without that preload each worker
+    would import torch itself. The dataset, ``collate_fn`` and
+    ``worker_init_fn`` are pickled to the workers, so they must be importable by name.
+    """
+    if not num_workers:
+        return None
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
+    return context

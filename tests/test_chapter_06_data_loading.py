@@ -13,6 +13,7 @@ port) with a deadline, killed as a group.
 from __future__ import annotations
 
 import math
+import os
 import multiprocessing
 import sys
 import warnings
@@ -25,8 +26,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpcourse.dist_env import short_timeout_group
+from ddpcourse.dist_env import loader_workers_context, short_timeout_group
 from ddpcourse.launcher import run_bounded, run_ranks
+from ddpcourse.timing import load_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "chapters" / "06_data_loading"
@@ -216,6 +218,38 @@ def test_the_same_data_seed_gives_every_rank_the_same_augmentation(num_workers, 
     assert run_ranks(wr.augmentation_draws, 2, 0, True, num_workers, timeout=60) == per_rank
     epochs = per_rank[0]
     assert [row[1:] for row in epochs[0]] != [row[1:] for row in epochs[1]]  # a new base seed per epoch
+
+
+def _who_loads(rank: int, world_size: int) -> dict:
+    loader = DataLoader(wr.WhoLoads(), batch_size=4, num_workers=2,
+                        multiprocessing_context=loader_workers_context(2))
+    rows = torch.cat(list(loader))
+    return {"rank": os.getpid(), "workers": set(rows[:, 0].tolist()),
+            "parents": set(rows[:, 1].tolist()), "threads": wr.rank_threads(rank, world_size)}
+
+
+def test_a_ranks_loader_workers_start_from_a_fork_server_not_from_the_rank(no_orphans):
+    """The rank runs threads besides its own (gloo's), so the course never forks it: the workers'
+    parent is one fork server per rank, a process of its own."""
+    per_rank = run_ranks(_who_loads, 2, timeout=60)
+    for result in per_rank:
+        assert len(result["workers"]) == 2 and result["rank"] not in result["parents"]
+        assert len(result["parents"]) == 1
+        if result["threads"]["threads"] is not None:
+            assert result["threads"]["threads"] > result["threads"]["started by Python"]
+    assert per_rank[0]["parents"] != per_rank[1]["parents"]
+    assert loader_workers_context(0) is None  # the DataLoader refuses a context without workers
+    with pytest.raises(ValueError, match="multiprocessing_context"):
+        DataLoader(wr.WhoLoads(), multiprocessing_context=multiprocessing.get_context("forkserver"))
+
+
+def test_the_fork_record_shows_the_hang_and_the_fork_server_without_it():
+    """benchmarks/fork_with_native_threads.py's record, quoted by the lesson: on its Python
+    (3.11: CPython issue gh-112275) some forked children hung, none started from the fork server."""
+    record = load_reference("fork_with_native_threads.json")
+    assert record["python"].startswith("3.11.")
+    assert record["hung"]["fork"] > 0 and record["hung"]["forkserver"] == 0
+    assert record["forks"] >= 10_000
 
 
 def test_an_iterable_dataset_refuses_a_sampler():

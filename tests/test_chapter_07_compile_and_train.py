@@ -12,6 +12,7 @@ data. Compiling happens in the ranks, whose warm server has ``torch._dynamo`` im
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -240,6 +241,14 @@ def test_the_train_check_passes_right_data_and_catches_wrong_data():
     for wrong in (dict(epochs=rising), dict(epochs=chance), dict(epochs=padded),
                   dict(checksums=[7, 8])):
         assert tr.problems(fake_history(**wrong)) != [], wrong
+
+
+def test_the_training_loaders_workers_start_from_a_fork_server():
+    """The rank is multi-threaded, so its workers are not forked from it (chapter 06, section 6)."""
+    loader = tr.build_data(tr.Config(workers=2), 0, 2, torch.device("cpu"))[0]
+    assert loader.multiprocessing_context.get_start_method() == "forkserver"
+    assert [len(batch) for batch in itertools.islice(loader, 2)] == [2, 2]  # x, y from a worker
+    assert tr.build_data(tr.Config(), 0, 2, torch.device("cpu"))[0].multiprocessing_context is None
 
 
 def test_the_command_line_fills_the_config():

@@ -172,6 +172,15 @@ def test_a_resume_mid_epoch_with_workers_and_accumulation_is_bit_exact(no_orphan
         shutil.rmtree(rank0["root"], ignore_errors=True)
 
 
+def test_the_training_loaders_workers_start_from_a_fork_server():
+    """The rank is multi-threaded, so its workers are not forked from it (chapter 06, section 6);
+    the test above shows that NoisySamples and the watchdog reach such workers."""
+    loader = tr.build_data(tr.Config(**MID_EPOCH), 0, 2, torch.device("cpu"))[0]
+    assert loader.multiprocessing_context.get_start_method() == "forkserver"
+    config = tr.Config(**dict(MID_EPOCH, workers=0))
+    assert tr.build_data(config, 0, 2, torch.device("cpu"))[0].multiprocessing_context is None
+
+
 def test_restoring_the_saved_random_states_repeats_every_generators_draws():
     """set_rng_state(rng_state(...)) in one process: Python, NumPy and torch draw again what
     they drew after the save; a forgotten piece does not."""

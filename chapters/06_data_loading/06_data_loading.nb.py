@@ -337,22 +337,22 @@ except ValueError as error:
 #
 # ## 6. DataLoader workers: every rank starts its own
 #
-# `num_workers=k` makes *each rank's* DataLoader start k worker processes. Each sample below
-# reports the pid of the process that loaded it and that process's `torch.get_num_threads()`:
+# `num_workers=k` makes *each rank's* DataLoader start k worker processes. Each sample of
+# `wr.WhoLoads` (in `workers_and_ranks.py`) reports the pid of the process that loaded it, that
+# process's parent and its `torch.get_num_threads()`. (The `multiprocessing_context` argument is
+# the subject of the end of this section.)
 
 # %%
-class WhoLoads(torch.utils.data.Dataset):
-    def __len__(self):
-        return 16
-    def __getitem__(self, i):
-        return torch.tensor([os.getpid(), torch.get_num_threads(), get_worker_info().id])
+from ddpcourse.dist_env import loader_workers_context
 
 def loader_processes(rank, world_size, num_workers):
-    loader = DataLoader(WhoLoads(), batch_size=2, num_workers=num_workers,
-                        sampler=DistributedSampler(WhoLoads(), shuffle=False))
+    loader = DataLoader(wr.WhoLoads(), batch_size=2, num_workers=num_workers,
+                        sampler=DistributedSampler(wr.WhoLoads(), shuffle=False),
+                        multiprocessing_context=loader_workers_context(num_workers))
     rows = torch.cat(list(loader))
     return {"rank pid": os.getpid(), "rank threads": torch.get_num_threads(),
-            "worker pids": sorted(set(rows[:, 0].tolist())), "worker threads": sorted(set(rows[:, 1].tolist()))}
+            "worker pids": sorted(set(rows[:, 0].tolist())), "their parents": sorted(set(rows[:, 1].tolist())),
+            "worker threads": sorted(set(rows[:, 2].tolist()))}
 
 per_rank = run_ranks(loader_processes, 2, 2)
 for r, info in enumerate(per_rank):
@@ -390,9 +390,49 @@ print(f"Python {sys.version.split()[0]} on {sys.platform}: DataLoader workers st
 # (dataloader.py says so in the warning it adds to a pickling error: "Python 3.14+ changed the
 # multiprocessing start method in non-Mac POSIX platforms to 'forkserver'..."). With `spawn` each
 # worker also starts a fresh interpreter that imports torch again, every epoch unless
-# `persistent_workers=True`. The `WhoLoads` class above lives in a notebook cell, so that cell
-# relies on `fork`; the datasets of sections 8 and 9 live in `workers_and_ranks.py` and take the
-# rank as an argument, so they work with every start method.
+# `persistent_workers=True`. That is why `WhoLoads` and the datasets of sections 8 and 9 live in
+# `workers_and_ranks.py`, and why they take the rank as an argument: they work with every start
+# method.
+#
+# **Why the course's loaders do not fork the rank.** A rank is not a single-threaded process by
+# the time it builds a loader. Count its threads, in a process group:
+
+# %%
+for r, threads in enumerate(run_ranks(wr.rank_threads, 2)):
+    print(f"rank {r}: {threads}")
+
+# %% [markdown]
+# The threads Python did not start belong to the libraries: gloo starts its own when the group
+# is created. `fork` copies only the thread that calls it, so a lock that another thread holds at
+# that instant stays locked in the child, with no thread left to release it (the
+# [`os.fork` documentation](https://docs.python.org/3/library/os.html#os.fork) warns of exactly
+# this, and Python 3.12 issues a `DeprecationWarning` when it detects threads at a fork). The
+# course ran into it: chapter 08's `resume_bit_exact.py`, on Python 3.11.7, hung now and then at
+# the start of an epoch, with one DataLoader worker stuck before running a line of its own code,
+# inside CPython's after-fork clean-up (`PyOS_AfterFork_Child` -> `_PyEval_ReInitThreads` ->
+# `_PyThreadState_DeleteExcept`), waiting for the interpreter's lock on its list of thread
+# states. A native thread that enters Python takes that lock without holding the GIL; CPython 3.8
+# to 3.11 take it in the child before re-creating it
+# ([CPython issue gh-112275](https://github.com/python/cpython/issues/112275)).
+# `benchmarks/fork_with_native_threads.py` reproduces it without torch: native threads that
+# enter Python and leave, while the main thread forks children that exit at once. Its record
+# (`benchmarks/results/fork_with_native_threads.json`, Python 3.11.7):
+
+# %%
+from ddpcourse.timing import load_reference, describe
+fork_record = load_reference("fork_with_native_threads.json")
+print(describe(fork_record))
+for method, hung in fork_record["hung"].items():
+    print(f"{method:>10}: {hung} of {fork_record['forks']} children hung (Python {fork_record['python']})")
+
+# %% [markdown]
+# So every loader with workers in the course's scripts (here, chapter 07's and chapter 08's
+# `train.py`) passes `multiprocessing_context=loader_workers_context(num_workers)`
+# ([`ddpcourse/dist_env.py`](../../ddpcourse/dist_env.py)): a `forkserver` context. Its server is
+# a fresh process that runs no other thread, and every worker is forked from it. The server
+# imports torch once, when the first loader starts (the context preloads it; otherwise every
+# worker would import torch again). On Python 3.14 and later, `forkserver` is Linux's default
+# anyway.
 #
 # ## 7. `pin_memory` and `non_blocking`: overlapping the copy to the GPU
 #
@@ -598,6 +638,8 @@ for fix in ("sampler", "join"):
 # * **`num_workers` sized for one process**: the machine runs W times as many (section 6).
 # * **Datasets defined in a notebook or as lambdas** with `spawn`/`forkserver` workers (macOS,
 #   Windows, Linux from Python 3.14): they cannot be pickled to the workers (section 6).
+# * **Forking workers from a rank**: the rank runs other threads, and a fork can leave a worker
+#   waiting forever for a lock one of them held; start them from a `forkserver` (section 6).
 # * **`non_blocking=True` from unpinned memory**, or relying on DDP's own input move: no overlap
 #   of the copy (section 7).
 # * **The same data seed on every rank**: identical augmentation on every rank; seed the data
@@ -617,7 +659,8 @@ for fix in ("sampler", "join"):
 #   same `seed` on every rank.
 # * Global batch = per-rank batch x W; scaling the learning rate with it is a heuristic.
 # * Each rank starts its own `num_workers` workers, by the platform's start method (`fork` only on
-#   Linux before Python 3.14); `pin_memory=True` plus `.to(device, non_blocking=True)` lets the copy
+#   Linux before Python 3.14) unless the loader is given one: start them from a `forkserver`,
+#   since a rank is multi-threaded; `pin_memory=True` plus `.to(device, non_blocking=True)` lets the copy
 #   to the GPU overlap with the host's work.
 # * Seed the data's randomness with `seed + rank`; keep the sampler's seed and the model's the same.
 # * An `IterableDataset` shards itself over `W x num_workers` readers (`get_worker_info()` and the

@@ -18,6 +18,9 @@ produce data at once. Two consequences, each shown and checked here:
   seed on every rank therefore gives every rank the same augmentation stream; ``seed + rank``
   gives each rank its own, still reproducible.
 
+Every loader here starts its workers from a fork server, not by forking the rank
+(``ddpcourse.dist_env.loader_workers_context``; the lesson's section 6 shows why).
+
 Rank 0 prints what each rank read and drew, and exits with code 1 if a check fails: sharded by
 rank and worker, each sample is read exactly once; by rank alone, ``num_workers`` times; with the
 same seed the ranks' draws are identical, with ``seed + rank`` they differ and a rerun repeats them.
@@ -26,15 +29,18 @@ same seed the ranks' draws are identical, with ``seed + rank`` they differ and a
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import sys
+import threading
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 
-from ddpcourse.dist_env import process_group
+from ddpcourse.dist_env import loader_workers_context, process_group
 from ddpcourse.report import report_checks
 
 SPLITS = ("none", "rank", "rank x worker")
@@ -43,6 +49,27 @@ SPLITS = ("none", "rank", "rank x worker")
 # group's timeout is longer, so the loader's error is the one reported. Both are generous: on a
 # loaded 2-core machine one run of this script has taken over 35 s.
 LOADER_TIMEOUT_S, GROUP_TIMEOUT_S = 60, 150
+
+
+class WhoLoads(Dataset):
+    """16 samples, each ``[pid, parent pid, intra-op threads, worker id]`` of the process that
+    fetched it (the lesson's census of loader processes)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        worker = get_worker_info()
+        return torch.tensor([os.getpid(), os.getppid(), torch.get_num_threads(),
+                             worker.id if worker else -1])
+
+
+def rank_threads(rank: int, world_size: int) -> dict:
+    """In a process group: how many threads this rank runs, all told (what the kernel lists in
+    ``/proc/self/task``; None where there is no /proc) and how many of them Python started."""
+    task = Path("/proc/self/task")
+    return {"threads": len(list(task.iterdir())) if task.is_dir() else None,
+            "started by Python": threading.active_count()}
 
 
 class Stream(IterableDataset):
@@ -75,7 +102,8 @@ def stream_samples(rank: int, world_size: int, n: int, split: str, num_workers: 
     """In a process group: the samples this rank's DataLoader yields from :class:`Stream`, and its
     number of batches."""
     loader = DataLoader(Stream(n, rank, world_size, split), batch_size=batch_size,
-                        num_workers=num_workers, timeout=LOADER_TIMEOUT_S if num_workers else 0)
+                        num_workers=num_workers, timeout=LOADER_TIMEOUT_S if num_workers else 0,
+                        multiprocessing_context=loader_workers_context(num_workers))
     batches = [batch.tolist() for batch in loader]
     return {"samples": sorted(itertools.chain.from_iterable(batches)), "batches": len(batches)}
 
@@ -125,6 +153,7 @@ def augmentation_draws(rank: int, world_size: int, seed: int, per_rank: bool,
     dataset = Augmented(n)
     loader = DataLoader(dataset, batch_size=2, num_workers=num_workers,
                         timeout=LOADER_TIMEOUT_S if num_workers else 0,
+                        multiprocessing_context=loader_workers_context(num_workers),
                         sampler=DistributedSampler(dataset, shuffle=False),
                         generator=torch.Generator().manual_seed(data_seed),
                         worker_init_fn=seed_worker)

@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 from tqdm import tqdm
 
-from ddpcourse.dist_env import group_device, process_group
+from ddpcourse.dist_env import group_device, loader_workers_context, process_group
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -134,6 +134,7 @@ def build_data(config: Config, rank: int, world_size: int, device: torch.device)
                                  seed=config.seed)
     loader = DataLoader(train_set, batch_size=config.batch_size, sampler=sampler,
                         num_workers=config.workers, persistent_workers=config.workers > 0,
+                        multiprocessing_context=loader_workers_context(config.workers),
                         pin_memory=device.type == "cuda")
     return loader, sampler, eval_set
 

@@ -12,7 +12,8 @@ It reuses chapter 07's ``train.py`` (imported by its path as ``ch07_train``: dat
 seeds, compile-then-wrap, autocast, the global evaluation, the checksums and its checks) and adds:
 
 * a model with dropout and a training set with random noise added to every sample as it is
-  fetched (by the DataLoader's worker processes when ``--workers`` > 0), both drawn from streams
+  fetched (by the DataLoader's worker processes when ``--workers`` > 0; ``_noisy_samples.py``,
+  since the workers start from a fork server and import it by name), both drawn from streams
   that differ per rank (seeded with ``seed + rank``): random-number state is part of the training
   state, and it is a different state on every rank;
 * a cosine learning-rate schedule over the whole run, stepped after every optimizer step;
@@ -64,7 +65,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import faulthandler
 import functools
 import json
 import math
@@ -80,10 +80,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, Dataset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from tqdm import tqdm
 
-from ddpcourse.dist_env import cpu_group, group_device, process_group
+from ddpcourse.dist_env import cpu_group, group_device, loader_workers_context, process_group
 from ddpcourse.imports import import_by_path
 
 HERE = Path(__file__).resolve().parent
@@ -91,6 +91,9 @@ HERE = Path(__file__).resolve().parent
 
 ch07 = import_by_path("ch07_train", HERE.parent / "07_training_loop" / "train.py")
 checkpoint_files = import_by_path("ch08_checkpoint_files", HERE / "checkpoint_files.py")
+if str(HERE) not in sys.path:  # workers import _noisy_samples by name (its docstring says why)
+    sys.path.insert(0, str(HERE))
+from _noisy_samples import NoisySamples, report_if_stuck  # noqa: E402
 
 # What a resumable checkpoint holds besides the model; each can be left out with --forget.
 PIECES = ("optimizer", "scheduler", "step counter", "sampler epoch", "torch RNG", "per-rank RNG",
@@ -165,30 +168,6 @@ def log_event(config: Config, event: str, **extra) -> None:
 
 # --------------------------------------------------------------------------- data and model
 
-class NoisySamples(Dataset):
-    """The training samples with fresh Gaussian noise added at every fetch (an augmentation):
-    drawn in whichever process fetches, a DataLoader worker or the rank itself."""
-
-    def __init__(self, data: TensorDataset, noise: float):
-        self.x, self.y = data.tensors
-        self.noise = noise
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, index: int):
-        return self.x[index] + self.noise * torch.randn(self.x.shape[1:]), self.y[index]
-
-
-def report_if_stuck(seconds: float, worker_id: int) -> None:
-    """A ``worker_init_fn`` for short runs (the tests, the lesson's table): a DataLoader worker
-    still alive after ``seconds`` prints every thread's stack to stderr and exits, so the rank
-    fails at once ("DataLoader worker ... exited unexpectedly") with the place it was stuck,
-    instead of waiting for the process group's timeout. Off by default: in a long run a
-    non-persistent worker lives for a whole epoch."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
-
-
 def build_data(config: Config, rank: int, world_size: int, device: torch.device):
     """Chapter 07's data (identical on every rank), noisy training samples, and a loader with a
     generator of its own (seeded per rank) and non-persistent workers."""
@@ -203,6 +182,7 @@ def build_data(config: Config, rank: int, world_size: int, device: torch.device)
     generator = torch.Generator().manual_seed(config.seed + 10_000 + rank)
     loader = DataLoader(train_set, batch_size=config.batch_size, sampler=sampler,
                         num_workers=config.workers, generator=generator,
+                        multiprocessing_context=loader_workers_context(config.workers),
                         persistent_workers=config.persistent_workers and config.workers > 0,
                         worker_init_fn=(functools.partial(report_if_stuck, config.stuck_worker_s)
                                         if config.stuck_worker_s > 0 else None),
