@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autograder import gradesheet
+from autograder.roster import join_roster, read_roster, with_roster_columns
 
 FIXED_COLUMNS = ["status", "flags", "notes"]  # between nbgrader export's columns and the cells
 # a CSV's first columns where no student of the run has an nbgrader export (grade.py's _write_csv)
@@ -157,6 +158,13 @@ def load(path: Path) -> GradingOutput:
     return GradingOutput(path, summary, header, rows)
 
 
+def _export_columns(part: GradingOutput) -> list[str] | None:
+    """The part's nbgrader export columns with the roster's (an older output may lack
+    ``lms_user_id``); None where its students had no export (the default columns)."""
+    columns = with_roster_columns(part.base_columns)
+    return None if columns == with_roster_columns(DEFAULT_EXPORT_COLUMNS) else columns
+
+
 def check_mergeable(parts: list[GradingOutput]) -> None:
     """MergeError unless the parts are of one assignment, share no student, and hold every
     shard of each sharded run, each run over the same class."""
@@ -174,7 +182,7 @@ def check_mergeable(parts: list[GradingOutput]) -> None:
                 raise MergeError(f"student {student} is graded in both {graded_in[student]} and "
                                  f"{part.path}: each student must come from one output only")
             graded_in[student] = part.path
-    exports = {tuple(part.base_columns) for part in parts} - {tuple(DEFAULT_EXPORT_COLUMNS)}
+    exports = {tuple(columns) for columns in map(_export_columns, parts) if columns}
     if len(exports) > 1:
         raise MergeError(f"these outputs have different nbgrader export columns: {sorted(exports)}")
 
@@ -211,16 +219,18 @@ def _check_shards(parts: list[GradingOutput]) -> None:
                              f"missing (given: {', '.join(str(p.path) for p in shards)})")
 
 
-def merge_csv(parts: list[GradingOutput], out: Path) -> None:
+def merge_csv(parts: list[GradingOutput], out: Path, roster_from: Path | None = None) -> None:
     """One grades.csv as a single run writes it (grade.py's ``_write_csv``): nbgrader export's
-    columns (the default five where no student had an export), status, flags, notes, the
-    notebooks' subtotal and test cell columns in ``autograder/gradesheet.py``'s order (empty
-    where a student has no score), rows sorted by student."""
-    exports = [part.base_columns for part in parts if part.base_columns != DEFAULT_EXPORT_COLUMNS]
+    columns (the default five where no student had an export) with the roster's, status, flags,
+    notes, the notebooks' subtotal and test cell columns in ``autograder/gradesheet.py``'s order
+    (empty where a student has no score), rows sorted by student, each with its student's names,
+    email and LMS id from the course gradebook ``roster_from`` (default: ``out``'s)."""
+    exports = [columns for columns in map(_export_columns, parts) if columns]
     cells = gradesheet.order_columns(parts[0].assignment,
                                      {cell for part in parts for cell in part.cell_columns})
-    fields = (exports or [DEFAULT_EXPORT_COLUMNS])[0] + FIXED_COLUMNS + cells
+    fields = (exports or [with_roster_columns(DEFAULT_EXPORT_COLUMNS)])[0] + FIXED_COLUMNS + cells
     rows = sorted((row for part in parts for row in part.rows), key=lambda row: row["student_id"])
+    rows = join_roster(rows, read_roster(roster_from or out / GRADEBOOK))
     with open(out / "grades.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -369,7 +379,7 @@ def update_output(out: Path, staged: Path) -> dict:
             os.replace(staged / log, out / log)
     if (staged / GRADEBOOK).is_file():  # OUT's, with this run's students recorded (grade.py)
         os.replace(staged / GRADEBOOK, out / GRADEBOOK)
-    merge_csv(kept + [new], staged)
+    merge_csv(kept + [new], staged, roster_from=out / GRADEBOOK)
     os.replace(staged / "grades.csv", out / "grades.csv")
     summary = new.summary
     if kept:

@@ -283,12 +283,27 @@ def set_due_date(out: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+ROSTER = "id,first_name,last_name,email,lms_user_id\nbob,Bob,Builder,bob@example.org,u-17\n"
+
+
+def import_roster(out: Path, roster: Path) -> None:
+    """As autograder/roster.py says to: nbgrader's own command on the course gradebook."""
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "nbgrader"), "db", "student", "import", str(roster),
+         "--JupyterApp.config_file=autograder/nbgrader_config",
+         f"--CourseDirectory.db_url=sqlite:///{out / 'gradebook.db'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 @pytest.fixture(scope="module")
 def regraded(tmp_path_factory):
     """The two graded at once, oscar late; then bob fixes his notebook and is re-graded alone."""
     root = write_class(tmp_path_factory.mktemp("class"), STUDENTS)
     out = root / "out"
     set_due_date(out)
+    (root / "roster.csv").write_text(ROSTER)  # bob is on it, oscar is not
+    import_roster(out, root / "roster.csv")
     (root / "submitted/oscar" / ASSIGNMENT / "timestamp.txt").write_text(OSCAR_HANDED_IN)
     grade(root, out, "--jobs", "2")
     first = {"csv": csv_lines(out / "grades.csv"), "rows": read_csv(out / "grades.csv")[1],
@@ -357,6 +372,18 @@ def test_the_course_gradebook_is_updated_for_the_regraded_student_only(regraded)
     assert now["oscar"] == first["gradebook"]["oscar"]
     assert {s: score for s, (score, _, _) in now.items()} == {
         s: pytest.approx(float(r["score"])) for s, r in rows.items()}
+
+
+def test_the_csv_has_the_rosters_names_email_and_lms_id_after_every_run(regraded):
+    first, out, _ = regraded
+    header, rows = read_csv(out / "grades.csv")
+    roster = ["last_name", "first_name", "email", "lms_user_id"]
+    assert header[header.index("student_id"):header.index("student_id") + 5] == [
+        "student_id", *roster]
+    for after in (first["rows"], rows):  # the first run, and after bob was re-graded alone
+        assert [after["bob"][column] for column in roster] == [
+            "Builder", "Bob", "bob@example.org", "u-17"]
+        assert [after["oscar"][column] for column in roster] == ["", "", "", ""]  # not on it
 
 
 def test_a_late_submission_loses_the_configured_share_per_day_started(regraded):
