@@ -1,4 +1,5 @@
-"""Command line: ``python -m autograder {release,grade,merge}`` (run from the repository root)."""
+"""Command line: ``python -m autograder {release,student-repo,grade,merge,override}`` (run from
+the repository root)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the --out folders of the runs to merge")
     merge.add_argument("--out", type=Path, required=True,
                        help="where the merged grades.csv, feedback/ and summary.json go")
+    override = sub.add_parser("override", help="apply OUT/overrides.csv (student, cell, score, "
+                                               "reason) to OUT's gradebook, grades.csv and "
+                                               "feedback; grade and merge apply it too")
+    override.add_argument("out", type=Path, help="a grading output (default of grade: "
+                                                 "autograder/course)")
     return parser
 
 
@@ -64,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         return student_repo.run(opts)
     if opts.command == "merge":
         return merge(opts.outputs, opts.out)
+    if opts.command == "override":
+        return override(opts.out)
     from autograder.grade import GradingRefused, grade_class, print_summary
     from autograder.worker import SANDBOX_POLICY
 
@@ -94,16 +102,41 @@ def main(argv: list[str] | None = None) -> int:
 def merge(outputs: list[Path], out: Path) -> int:
     from autograder.grade import print_results
     from autograder.merge import MergeError, merge_outputs
+    from autograder.overrides import OverrideError, apply_overrides
 
     try:
         summary = merge_outputs(outputs, out)
     except MergeError as refused:
         print(f"Refusing to merge: {refused}", file=sys.stderr)
         return 2
+    try:
+        absent = apply_overrides(out, summary["assignment"])
+    except OverrideError as wrong:
+        print(f"Merged, but {out / 'overrides.csv'} was not applied:\n{wrong}", file=sys.stderr)
+        return 2
     print_results(summary["results"])
+    if absent:
+        print(f"overrides for students not in {out}: {', '.join(absent)}")
     parts = ", ".join(f"{part['path']} ({part['submissions']})" for part in summary["merged_from"])
     print(f"{summary['submissions']} submissions of {summary['assignment']} merged from {parts}; "
           f"grades: {out / 'grades.csv'}; feedback: {out / 'feedback'}")
+    return 0
+
+
+def override(out: Path) -> int:
+    """Apply OUT/overrides.csv now, without grading."""
+    from autograder.merge import MergeError, load
+    from autograder.overrides import FILE, OverrideError, apply_overrides
+
+    try:
+        assignment = load(out).assignment
+        absent = apply_overrides(out, assignment)
+    except (MergeError, OverrideError) as wrong:
+        print(f"Refusing to override: {wrong}", file=sys.stderr)
+        return 2
+    print(f"{out / FILE} applied to {out}'s gradebook, grades.csv and feedback")
+    if absent:
+        print(f"not graded in {out} yet (applied when they are): {', '.join(absent)}")
     return 0
 
 

@@ -52,6 +52,8 @@ from autograder.merge import (DEFAULT_EXPORT_COLUMNS, FIXED_COLUMNS, GRADEBOOK, 
                               Shard, check_updatable, load, record_into_copy, update_output)
 from autograder.nbgrader_api import REPO, hold_for_review
 from autograder.notices import add_summary, assignment_summary, write_missing_notice, write_notice
+from autograder.overrides import FILE as OVERRIDES
+from autograder.overrides import OverrideError, apply_overrides, read_overrides
 from autograder.trusted import GRADER_NOTE
 from ddpcourse.launcher.processes import kill_process_group, live_descendants, process_table
 
@@ -281,6 +283,10 @@ def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None 
     _become_subreaper()
     out = out.resolve()
     found, chosen, previous = plan(submissions.resolve(), assignment, out, students, shard)
+    try:
+        read_overrides(out / OVERRIDES, assignment)  # a wrong line is refused before grading
+    except OverrideError as wrong:
+        raise GradingRefused(str(wrong)) from None
     out.mkdir(parents=True, exist_ok=True)
     # Short names: each student's kernel sockets live below these folders, and a Unix socket's
     # path may not exceed 107 bytes (longer ones fail with ZMQError "File name too long").
@@ -303,6 +309,7 @@ def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None 
                 if (workers / name).exists():
                     _replace(workers / name, out / "work" / name, staged)
         update_output(out, staged)
+        apply_overrides(out, assignment)  # checked above: the regraded get theirs back
     finally:
         for folder in (workers, staged):
             shutil.rmtree(folder, ignore_errors=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -399,3 +400,70 @@ def test_a_late_submission_loses_the_configured_share_per_day_started(regraded):
     page = first["oscar"][f"feedback/oscar/{ASSIGNMENT}/bucketed_ddp.html"].decode()
     assert "handed in 1 day 12 h after the due date: a late penalty of 2.2 points" in page
     assert first["rows"]["bob"]["late_submission_penalty"] in ("", "0.0")  # no timestamp: on time
+
+
+# --- instructor overrides, applied to a copy of the re-graded output ---------------------------
+
+def override(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autograder", "override", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_overrides_reach_the_csv_the_gradebook_and_the_feedback_and_apply_once(regraded,
+                                                                                tmp_path):
+    """bob: a cell of his lowered; oscar (late): a cell of his raised, so his late penalty grows
+    with his score; a student the output does not have is reported, not refused."""
+    _, out, _ = regraded
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    _, before = read_csv(copy / "grades.csv")
+    by_slug = {nb.slug: nb for nb in gradesheet.layout(ASSIGNMENT)}
+    bob_id, bob_points = by_slug["allreduce_by_hand"].cells[0]
+    oscar_cells = by_slug["bucketed_ddp"].cells
+    oscar_id, oscar_points = next(
+        ((g, p) for g, p in oscar_cells
+         if float(before["oscar"][f"bucketed_ddp:{g} ({p:g})"]) < p), oscar_cells[0])
+    (copy / "overrides.csv").write_text(
+        "student,cell,score,reason\n"
+        f"bob,allreduce_by_hand:{bob_id},0,\"copied, says the honour-code review\"\n"
+        f"oscar,bucketed_ddp:{oscar_id},{oscar_points:g},right on review\n"
+        "zoe,bucketed_ddp:" + oscar_id + ",1,not graded here\n")
+    for _ in range(2):  # applying twice gives what applying once gives
+        done = override(copy)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "zoe" in done.stdout
+    _, rows = read_csv(copy / "grades.csv")
+    bob, oscar = rows["bob"], rows["oscar"]
+    assert bob[f"allreduce_by_hand:{bob_id} ({bob_points:g})"] == "0"
+    assert float(bob["allreduce_by_hand (13)"]) == float(bob["score"]) == 13 - bob_points
+    assert bob["notes"].count("changed by the instructor") == 1
+    assert (f"changed by the instructor: allreduce_by_hand:{bob_id} {bob_points:g} -> 0 "
+            "(copied, says the honour-code review)") in bob["notes"]
+    raw = float(before["oscar"]["raw_score"]) - float(
+        before["oscar"][f"bucketed_ddp:{oscar_id} ({oscar_points:g})"]) + oscar_points
+    assert float(oscar["raw_score"]) == pytest.approx(raw)
+    assert float(oscar["late_submission_penalty"]) == pytest.approx(raw * 0.2)  # 2 days started
+    assert float(oscar["score"]) == pytest.approx(raw * 0.8)
+    assert {s: score for s, (score, _, _) in gradebook_submissions(copy, ASSIGNMENT).items()} == {
+        s: pytest.approx(float(r["score"])) for s, r in rows.items()}  # nbgrader export's score
+    page = (copy / "feedback/bob" / ASSIGNMENT / "allreduce_by_hand.html").read_text()
+    assert f"{ASSIGNMENT}: {13 - bob_points:g} of 26 points" in page
+    assert page.count("Scores your instructor changed") == 1
+    assert "copied, says the honour-code review" in page
+    assert (out / "grades.csv").read_bytes() != (copy / "grades.csv").read_bytes()
+
+
+def test_a_wrong_override_is_refused_and_changes_nothing(regraded, tmp_path):
+    _, out, _ = regraded
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    snapshot = (copy / "grades.csv").read_bytes()
+    for line, why in [("bob,allreduce_by_hand:no-such-cell,1,x", "has no cell"),
+                      ("bob,bucketed_ddp:" + gradesheet.layout(ASSIGNMENT)[1].cells[0][0]
+                       + ",99,x", "is worth 0 to"),
+                      ("bob,allreduce_by_hand:" + gradesheet.layout(ASSIGNMENT)[0].cells[0][0]
+                       + ",1,", "needs a student and a reason")]:
+        (copy / "overrides.csv").write_text("student,cell,score,reason\n" + line + "\n")
+        done = override(copy)
+        assert done.returncode == 2 and why in done.stderr, done.stderr
+        assert (copy / "grades.csv").read_bytes() == snapshot
