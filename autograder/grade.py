@@ -51,7 +51,8 @@ from autograder import gradesheet
 from autograder.merge import (DEFAULT_EXPORT_COLUMNS, FIXED_COLUMNS, GRADEBOOK, MergeError,
                               Shard, check_updatable, load, record_into_copy, update_output)
 from autograder.nbgrader_api import REPO, hold_for_review
-from autograder.notices import add_summary, assignment_summary, write_missing_notice, write_notice
+from autograder.notices import (add_summary, assignment_summary, make_readable,
+                               write_missing_notice, write_notice)
 from autograder.overrides import FILE as OVERRIDES
 from autograder.overrides import OverrideError, apply_overrides, read_overrides
 from autograder.trusted import GRADER_NOTE
@@ -437,6 +438,7 @@ def _stage(results: list[dict], assignment: str, staged: Path, workers: Path, ou
             [(nb.slug, score, nb.points) for nb, score in gradesheet.notebook_scores(result)],
             late=result.get("late"))
         for page in sorted(target.glob("*.html")):
+            make_readable(page)
             add_summary(page, summary)
         result["feedback"] = str(out / "feedback" / student / assignment)
         log = workers / f"{student}.log"

@@ -1,5 +1,6 @@
 """The feedback pages a student gets besides nbgrader's: a notebook not graded normally or not
-handed in, and the assignment's total at the top of every page.
+handed in, and the assignment's total at the top of every page; nbgrader's own pages made easier
+to read (wrapped output, named cells).
 
 Written by the grading worker (tampering, a dropped notebook) and by the grading command (a
 worker that timed out or crashed), so that every student always has a page that says why.
@@ -8,6 +9,7 @@ worker that timed out or crashed), so that every student always has a page that 
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 
 
@@ -64,3 +66,21 @@ def add_summary(page: Path, summary: str) -> None:
     start = text.find("<body")
     end = text.find(">", start) + 1 if start >= 0 else 0
     page.write_text(text[:end] + summary + text[end:])
+
+
+# Long lines of test output wrap instead of running off the page's right edge.
+WRAP_OUTPUT = ("<style>div.output_area pre, div.output_subarea pre {white-space: pre-wrap; "
+               "overflow-wrap: anywhere}</style>")
+_TOC_ENTRY = re.compile(r'<li><a href="#([^"]+)">(Test cell|Written response|'
+                        r'Coding free-response)</a>')
+
+
+def make_readable(page: Path) -> None:
+    """An nbgrader feedback page, easier to read: output wraps at the window's width, and the
+    list of scores at the top names each graded cell by its grade id (nbgrader's template calls
+    every one "Test cell")."""
+    text = page.read_text()
+    if WRAP_OUTPUT not in text:
+        text = text.replace("</head>", WRAP_OUTPUT + "\n</head>", 1)
+    text = _TOC_ENTRY.sub(lambda m: f'<li><a href="#{m[1]}">{m[1]}</a> ({m[2].lower()})', text)
+    page.write_text(text)

@@ -336,6 +336,15 @@ def test_the_first_run_grades_both_and_shows_the_missing_notebook(regraded):
         assert "<li>allreduce_by_hand: not handed in, 0 of 13</li>" in text, name
 
 
+def test_feedback_wraps_its_output_and_names_every_graded_cell(regraded):
+    first, _, _ = regraded
+    page = first["oscar"][f"feedback/oscar/{ASSIGNMENT}/bucketed_ddp.html"].decode()
+    assert "white-space: pre-wrap" in page.split("</head>")[0]
+    assert ">Test cell<" not in page
+    for grade_id, _ in gradesheet.layout(ASSIGNMENT)[1].cells:
+        assert f'<a href="#{grade_id}">{grade_id}</a> (test cell)' in page
+
+
 def test_regrading_one_student_leaves_the_other_byte_for_byte(regraded):
     first, out, stdout = regraded
     again = csv_lines(out / "grades.csv")
