@@ -55,6 +55,7 @@ from autograder.notices import (add_summary, assignment_summary, make_readable,
                                write_missing_notice, write_notice)
 from autograder.overrides import FILE as OVERRIDES
 from autograder.overrides import OverrideError, apply_overrides, read_overrides
+from autograder.roster import with_roster_columns
 from autograder.trusted import GRADER_NOTE
 from ddpcourse.launcher.processes import kill_process_group, live_descendants, process_table
 
@@ -517,7 +518,7 @@ def _write_csv(results: list[dict], assignment: str, out: Path, exports: Path | 
         columns.update(scores)
         row.update(scores)
         rows.append(row)
-    base = header or DEFAULT_EXPORT_COLUMNS
+    base = with_roster_columns(header or DEFAULT_EXPORT_COLUMNS)  # filled by merge_csv
     fields = list(base) + FIXED_COLUMNS + gradesheet.order_columns(assignment, columns)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "grades.csv", "w", newline="") as f:
