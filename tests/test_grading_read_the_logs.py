@@ -176,7 +176,14 @@ def fresh_logs(tmp_path_factory, host):
 @pytest.mark.parametrize("lab", sorted(STABLE))
 def test_a_fresh_capture_tells_the_same_facts(fresh_logs, lab):
     committed, fresh = hidden.truth(lab), hidden.truth(lab, fresh_logs)
-    assert {k: fresh[k] for k in STABLE[lab]} == {k: committed[k] for k in STABLE[lab]}
+    stable = STABLE[lab]
+    if lab == "killed" and fresh["rank0_line"] is None:
+        # A race, seen on a loaded machine: torchrun's agent, which stops the other workers as
+        # soon as one has died, terminated rank 0 before gloo told rank 0 its peer was gone, so
+        # rank 0 printed no traceback. Then rank 0 must have ended by that SIGTERM.
+        assert fresh["rank0_exitcode"] == -15, fresh
+        stable = tuple(key for key in stable if key != "rank0_line")
+    assert {k: fresh[k] for k in stable} == {k: committed[k] for k in stable}
 
 
 def test_a_fresh_capture_shows_what_record_adds(fresh_logs):
