@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import html
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class Override:
     grade_id: str
     score: float
     reason: str
+    points: float  # what the cell is worth
 
     @property
     def cell(self) -> str:
@@ -85,7 +87,7 @@ def read_overrides(path: Path, assignment: str) -> list[Override]:
         else:
             seen.add((student, cell))
             notebook, grade_id = cell.split(":", 1)
-            overrides.append(Override(student, notebook, grade_id, score, reason))
+            overrides.append(Override(student, notebook, grade_id, score, reason, points[cell]))
     if problems:
         raise OverrideError("\n".join(problems))
     return overrides
@@ -109,12 +111,14 @@ def apply_overrides(out: Path, assignment: str) -> list[str]:
     if not mine:
         return absent
     totals = _write_to_gradebook(out, assignment, mine)
+    results = json.loads((out / "summary.json").read_text())["results"]
+    missing = {result["student"]: set(result.get("missing", ())) for result in results}
     for student in {o.student for o in mine}:
         row = by_student[student]
         own = [o for o in mine if o.student == student]
         _update_row(row, assignment, own, totals[student])
-        _update_feedback(out / "feedback" / student / assignment, assignment, row, own,
-                         totals[student])
+        _update_feedback(out / "feedback" / student / assignment, assignment, row,
+                         missing.get(student, set()), own, totals[student])
     staged = out / f".{FILE}.grades.csv"
     with open(staged, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
@@ -133,13 +137,12 @@ def _write_to_gradebook(out: Path, assignment: str, overrides: list[Override]) -
     from autograder.late_penalty import reassess
     from autograder.nbgrader_api import load_config
 
-    url = f"sqlite:///{out / 'gradebook.db'}"
+    config = load_config(out)  # the course config, with out's gradebook
+    url = config.CourseDirectory.db_url
     with Gradebook(url) as book:
         for o in overrides:
             book.find_grade(o.grade_id, o.notebook, assignment, o.student).manual_score = o.score
         book.db.commit()
-    config = load_config(out)
-    config.CourseDirectory.db_url = url
     totals = {}
     for student in {o.student for o in overrides}:
         reassess(config, assignment, student)
@@ -159,9 +162,7 @@ def _update_row(row: dict, assignment: str, overrides: list[Override], totals) -
     and one note per override (replacing those of an earlier application)."""
     automatic, raw, penalty, _ = totals
     for o in overrides:
-        points = dict(next(nb for nb in gradesheet.layout(assignment)
-                           if nb.slug == o.notebook).cells)[o.grade_id]
-        row[f"{o.cell} ({points:g})"] = f"{o.score:g}"
+        row[f"{o.cell} ({o.points:g})"] = f"{o.score:g}"
     for notebook in gradesheet.layout(assignment):
         if row.get(notebook.column, "") != "":
             row[notebook.column] = f"{_subtotal(row, notebook):g}"
@@ -183,15 +184,15 @@ def _points(score: float | None) -> str:
     return "no score" if score is None else f"{score:g}"
 
 
-def _update_feedback(folder: Path, assignment: str, row: dict, overrides: list[Override],
-                     totals) -> None:
-    """Every feedback page of the submission: the summary's scores as the row now has them, and
-    a list of the overrides with their reasons under it."""
+def _update_feedback(folder: Path, assignment: str, row: dict, missing: set[str],
+                     overrides: list[Override], totals) -> None:
+    """Every feedback page of the submission: the summary's scores as the row now has them
+    (``missing``: the notebooks not handed in), and a list of the overrides with their reasons
+    under it."""
     from autograder.notices import assignment_summary
 
     automatic, raw, penalty, seconds_late = totals
-    notebooks = [(nb.slug, None if f"missing: {nb.slug} " in row.get("notes", "")
-                  else float(row[nb.column] or 0), nb.points)
+    notebooks = [(nb.slug, None if nb.slug in missing else float(row[nb.column] or 0), nb.points)
                  for nb in gradesheet.layout(assignment)]
     late = {"seconds": seconds_late, "penalty": penalty} if penalty else None
     summary = assignment_summary(assignment, max(0.0, raw - penalty),

@@ -184,10 +184,10 @@ def loader_workers_context(num_workers: int):
     ``init_process_group`` on), and ``fork`` copies only the calling thread: a lock that another
     thread holds at that instant stays locked in the worker forever (Python's documentation of
     ``os.fork``; CPython issue gh-112275; chapter 06, section 6, and
-    benchmarks/fork_with_native_threads.py). The fork server is a fresh, single-threaded process, so
-    its forks are safe. It imports torch once when it starts; without that preload each worker
-    would import torch itself. The dataset, ``collate_fn`` and
-    ``worker_init_fn`` are pickled to the workers, so they must be importable by name.
+    benchmarks/fork_with_native_threads.py). The fork server is a fresh, single-threaded
+    process, so its forks are safe. It imports torch once when it starts; without that preload
+    each worker would import torch itself. The dataset, ``collate_fn`` and ``worker_init_fn``
+    are pickled to the workers, so they must be importable by name.
     """
     if not num_workers:
         return None
