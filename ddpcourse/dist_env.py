@@ -9,20 +9,34 @@
 The backend is NCCL when every local rank can have a GPU of its own, else gloo on the CPU. The
 process group is always destroyed on the way out, also when the body raises.
 
-One more thing happens on the way out, found the hard way (torch 2.13, gloo): a DDP model is kept
-alive by reference cycles, so it is freed by the garbage collector only at interpreter shutdown,
-and freeing it then aborts the process ("terminate called without an active exception", exit
--6) in about a third of 2-rank runs. Collecting garbage at exit, while the interpreter is still
-whole, prevents most of it (0 aborts in 12 runs; see tests/test_dist_env.py), and collecting once
-more before the group is destroyed frees what the body left behind while its group still lives.
+Leaving the block must free the group for real, and three things see to it (found the hard way,
+torch 2.13, gloo). A group that outlives the interpreter aborts the process at exit ("terminate
+called without an active exception", exit -6) now and then: one of its worker threads may still be
+dropping a finished collective whose tensors Python created, which needs the GIL, and a thread
+that asks for the GIL while the interpreter shuts down is ended by ``pthread_exit``, which C++
+turns into ``std::terminate`` (the stack is in tests/test_dist_env.py; pytorch/pytorch#190489).
+
+* Some torch modules write ``group=group.WORLD`` as a default argument, which Python evaluates once,
+  at import. Imported while a group exists, they hold that group until the process ends, and
+  ``destroy_process_group`` cannot free it. ``DistributedDataParallel(...)`` imports two of them
+  (through ``torch._dynamo``). So before destroying the group, ``process_group`` sets those
+  defaults back to ``None``, which they would be had the modules been imported before the group
+  (``MODULES_THAT_BIND_THE_GROUP_AT_IMPORT``; a test scans torch for new ones). Importing them
+  first instead would cost every script about 0.8 s.
+* A DDP model is kept alive by reference cycles, and with it its group, until the garbage
+  collector runs: collecting before the group is destroyed frees what the block left behind,
+  and collecting at exit frees models that outlive the block while the interpreter is whole.
+* ``cpu_group``'s gloo twin is forgotten when the default group is destroyed.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import os
 import socket
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +46,13 @@ import torch
 import torch.distributed as dist
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+# Modules whose functions take ``group=<group.WORLD at import time>`` as a default argument.
+MODULES_THAT_BIND_THE_GROUP_AT_IMPORT = (
+    "torch.distributed.nn.functional",
+    "torch.distributed.fsdp.sharded_grad_scaler",
+    "torch.distributed.optim.zero_redundancy_optimizer",
+)
 
 
 @dataclass(frozen=True)
@@ -126,7 +147,29 @@ def process_group(timeout_s: float = 120.0, backend: str = "auto",
         yield DistContext(rank, local_rank, world_size, backend, device)
     finally:
         gc.collect()  # free the body's DDP models while their group still lives (docstring)
+        _cpu_groups.clear()
+        _forget_in_default_arguments(dist.group.WORLD)
         dist.destroy_process_group()
+
+
+def _forget_in_default_arguments(group: dist.ProcessGroup) -> None:
+    """Every default argument of ``MODULES_THAT_BIND_THE_GROUP_AT_IMPORT``'s functions and methods
+    that holds ``group`` becomes ``None`` (which those functions read as the default group), so
+    that destroying ``group`` frees it (module docstring)."""
+    for name in MODULES_THAT_BIND_THE_GROUP_AT_IMPORT:
+        module = sys.modules.get(name)
+        if module is None:  # not imported: nothing holds the group
+            continue
+        functions = [f for f in vars(module).values() if inspect.isfunction(f)]
+        for cls in (c for c in vars(module).values() if inspect.isclass(c)):
+            functions += [f for f in vars(cls).values() if inspect.isfunction(f)]
+        for function in functions:
+            if function.__defaults__:
+                function.__defaults__ = tuple(None if value is group else value
+                                              for value in function.__defaults__)
+            if function.__kwdefaults__:
+                function.__kwdefaults__ = {key: None if value is group else value
+                                           for key, value in function.__kwdefaults__.items()}
 
 
 def group_device() -> torch.device:
