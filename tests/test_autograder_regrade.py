@@ -341,6 +341,7 @@ def test_feedback_wraps_its_output_and_names_every_graded_cell(regraded):
     page = first["oscar"][f"feedback/oscar/{ASSIGNMENT}/bucketed_ddp.html"].decode()
     assert "white-space: pre-wrap" in page.split("</head>")[0]
     assert ">Test cell<" not in page
+    assert f"{ROOT}/" not in page and f"{sys.prefix}/" not in page  # no path of the machine
     for grade_id, _ in gradesheet.layout(ASSIGNMENT)[1].cells:
         assert f'<a href="#{grade_id}">{grade_id}</a> (test cell)' in page
 
