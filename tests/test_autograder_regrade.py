@@ -477,3 +477,40 @@ def test_a_wrong_override_is_refused_and_changes_nothing(regraded, tmp_path):
         done = override(copy)
         assert done.returncode == 2 and why in done.stderr, done.stderr
         assert (copy / "grades.csv").read_bytes() == snapshot
+
+
+# --- a tamper flag that the instructor reviewed and cleared --------------------------------------
+
+# A right notebook with one harmless eval: the static scan flags it (eval is never needed).
+PEGGY = build(CORRECT, extra_after={"ring-allreduce": "print(eval('6 * 7'))"})
+CLEARED = "student,reason\npeggy,eval of a constant: harmless\n"
+
+
+def test_a_cleared_tamper_flag_scores_the_submission_as_its_tests_say(tmp_path):
+    root, out = tmp_path, tmp_path / "out"
+    folder = root / "submitted/peggy" / ASSIGNMENT
+    folder.mkdir(parents=True)
+    nbformat.write(PEGGY, folder / "allreduce_by_hand.ipynb")
+    out.mkdir()
+    (out / "cleared_flags.csv").write_text(CLEARED)
+    grade(root, out)
+    peggy = read_csv(out / "grades.csv")[1]["peggy"]
+    assert (peggy["status"], float(peggy["score"])) == ("graded", 13.0), peggy
+    assert "eval" in peggy["flags"]  # the scan's findings stay on record
+    assert "cleared by the instructor (eval of a constant: harmless)" in peggy["notes"]
+    page = (out / "feedback/peggy" / ASSIGNMENT / "allreduce_by_hand.html").read_text()
+    assert "flagged for review" not in page and "13 of 26 points" in page
+    assert gradebook_submissions(out, ASSIGNMENT)["peggy"][0] == pytest.approx(13.0)
+
+
+def test_a_wrong_cleared_flags_file_is_refused_before_grading(tmp_path, capsys):
+    root, out = write_class(tmp_path / "class", ["bob"]), tmp_path / "out"
+    out.mkdir()
+    for text, why in [("student\nbob\n", "the first line must be student,reason"),
+                      ("student,reason\nbob,\n", "needs a student and a reason"),
+                      ("student,reason\nbob,x\nbob,y\n", "cleared twice")]:
+        (out / "cleared_flags.csv").write_text(text)
+        assert main(["grade", str(root / "submitted"), "--assignment", ASSIGNMENT,
+                     "--out", str(out)]) == 2
+        assert why in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["cleared_flags.csv"]  # nothing written
