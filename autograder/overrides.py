@@ -61,6 +61,17 @@ class Override:
         return f"{self.notebook}:{self.grade_id}"
 
 
+def _numbered_lines(path: Path, columns: tuple[str, ...]) -> list[tuple[int, dict]]:
+    """The rows of the CSV file ``path`` with their line numbers; OverrideError unless its first
+    line names exactly ``columns``."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if list(reader.fieldnames or []) != list(columns):
+            raise OverrideError(f"{path}: the first line must be {','.join(columns)} "
+                                f"(it is {','.join(reader.fieldnames or [])})")
+        return list(enumerate(reader, start=2))
+
+
 def read_overrides(path: Path, assignment: str) -> list[Override]:
     """The overrides in ``path`` (none when there is no such file), checked against the
     assignment's cells and points; OverrideError names every line that is wrong."""
@@ -68,12 +79,7 @@ def read_overrides(path: Path, assignment: str) -> list[Override]:
         return []
     points = {f"{nb.slug}:{grade_id}": value
               for nb in gradesheet.layout(assignment) for grade_id, value in nb.cells}
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if list(reader.fieldnames or []) != list(COLUMNS):
-            raise OverrideError(f"{path}: the first line must be {','.join(COLUMNS)} "
-                                f"(it is {','.join(reader.fieldnames or [])})")
-        lines = list(enumerate(reader, start=2))
+    lines = _numbered_lines(path, COLUMNS)
     overrides, problems, seen = [], [], set()
     for number, line in lines:
         where = f"{path.name} line {number}"
@@ -106,12 +112,7 @@ def read_cleared_flags(path: Path) -> dict[str, str]:
     no such file); OverrideError names every line that is wrong."""
     if not path.is_file():
         return {}
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if list(reader.fieldnames or []) != list(CLEARED_COLUMNS):
-            raise OverrideError(f"{path}: the first line must be {','.join(CLEARED_COLUMNS)} "
-                                f"(it is {','.join(reader.fieldnames or [])})")
-        lines = list(enumerate(reader, start=2))
+    lines = _numbered_lines(path, CLEARED_COLUMNS)
     cleared, problems = {}, []
     for number, line in lines:
         student, reason = ((line[c] or "").strip() for c in CLEARED_COLUMNS)
