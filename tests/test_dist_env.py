@@ -118,10 +118,10 @@ def test_leaving_process_group_ends_gloo_threads_even_after_ddp_and_zero(tmp_pat
 
 @needs_proc
 def test_by_hand_the_same_script_keeps_its_group_until_exit(tmp_path):
-    """The experiment behind process_group's pre-imports: DDP's constructor imports torch._dynamo,
-    which imports modules whose default arguments are ``group.WORLD``, evaluated at import; they
-    keep the group (and its threads) after ``destroy_process_group``. If this fails, a newer torch
-    no longer does so: update ddpcourse/dist_env.py's docstring."""
+    """The experiment behind process_group's resetting of default arguments: DDP's constructor
+    imports torch._dynamo, which imports modules whose default arguments are ``group.WORLD``,
+    evaluated at import; they keep the group (and its threads) after ``destroy_process_group``.
+    If this fails, a newer torch no longer does so: update ddpcourse/dist_env.py's docstring."""
     left = threads_left_after_the_group(tmp_path, "by_hand")
     assert [name for name in left if "gloo" in name], left
 
@@ -144,8 +144,9 @@ def modules_with_world_group_defaults() -> set[str]:
     return found
 
 
-def test_every_module_that_binds_the_group_at_import_is_imported_first():
-    """distributed_c10d itself is imported with torch.distributed, before any group exists."""
+def test_every_module_that_binds_the_group_at_import_is_on_process_groups_list():
+    """process_group resets the defaults of the listed modules only. distributed_c10d itself is
+    imported with torch.distributed, before any group exists."""
     found = modules_with_world_group_defaults() - {"torch.distributed.distributed_c10d"}
     assert found, "the scan found nothing: has torch's source moved?"
     assert found <= set(MODULES_THAT_BIND_THE_GROUP_AT_IMPORT), (
