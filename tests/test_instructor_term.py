@@ -22,6 +22,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from test_autograder import processes_marked
+from test_nbgrader_invocation import solved
 
 ROOT = Path(__file__).resolve().parent.parent
 TERM = ROOT / "autograder/TERM.md"
@@ -62,19 +63,6 @@ def build_course(root: Path) -> None:
     (root / "roster.csv").write_text(ROSTER)
 
 
-def answer(notebook_path: Path) -> None:
-    """Fill the fetched notebook's solution cells as the assignment's source does."""
-    source = nbformat.read(ROOT / "solutions" / ASSIGNMENT / f"{SLUG}.ipynb", as_version=4)
-    answers = {cell.metadata.nbgrader["grade_id"]: cell.source for cell in source.cells
-               if cell.metadata.get("nbgrader", {}).get("solution")}
-    notebook = nbformat.read(notebook_path, as_version=4)
-    for cell in notebook.cells:
-        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
-        if grade_id in answers:
-            cell.source = answers[grade_id]
-    nbformat.write(notebook, notebook_path)
-
-
 @pytest.fixture(scope="module")
 def term(tmp_path_factory):
     """The course and the students' homes after every block of TERM.md."""
@@ -97,7 +85,8 @@ def term(tmp_path_factory):
                 outputs.append(run_block(as_student(step, student), settings, home,
                                          dict(env, HOME=str(home))))
             if "fetch_assignment" in step:
-                answer(homes["alice"] / ASSIGNMENT / f"{SLUG}.ipynb")
+                fetched = homes["alice"] / ASSIGNMENT / f"{SLUG}.ipynb"
+                nbformat.write(solved(fetched), fetched)  # answered as the source answers
         else:
             outputs.append(run_block(step, settings, course, env))
     assert not processes_marked(mark), "the term left processes running"
