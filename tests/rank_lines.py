@@ -21,3 +21,8 @@ def message_of(text: str, rank: int) -> str:
         if rank in map(int, re.findall(r"\d+", head[1])):
             return text[head.end():after.start() if after else len(text)].rstrip("\n")
     raise AssertionError(f"rank {rank} is not named in: {text[:500]}")
+
+
+def names_ranks_first(text: str) -> bool:
+    """Whether ``text`` starts by naming the ranks it is about."""
+    return _HEAD.match(text) is not None
