@@ -22,7 +22,8 @@ def write_notice(dest: Path, student: str, assignment: str, title: str, body: st
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(assignment)}: {html.escape(student)}</title></head><body>"
+        f"<title>{html.escape(assignment)}: {html.escape(student)}</title>"
+        "<style>pre {white-space: pre-wrap; overflow-wrap: anywhere}</style></head><body>"
         f"<h1>{html.escape(assignment)} &mdash; {html.escape(title)}</h1>"
         f"<p>Student: {html.escape(student)}. Score: 0.</p>"
         f"<pre>{html.escape(body)}</pre>"
@@ -72,9 +73,10 @@ def add_summary(page: Path, summary: str) -> None:
     page.write_text(text[:end] + summary + text[end:])
 
 
-# Long lines of test output wrap instead of running off the page's right edge.
+# Long lines of test output wrap instead of running off the page's right edge, between words
+# (the page's Bootstrap breaks a <pre> anywhere, even mid-word) unless a word is wider than the page.
 WRAP_OUTPUT = ("<style>div.output_area pre, div.output_subarea pre {white-space: pre-wrap; "
-               "overflow-wrap: anywhere}</style>")
+               "word-break: normal; overflow-wrap: anywhere}</style>")
 _TOC_ENTRY = re.compile(r'<li><a href="#([^"]+)">(Test cell|Written response|'
                         r'Coding free-response)</a>')
 

@@ -7,7 +7,10 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from autograder.notices import hide_machine_paths, make_readable
+import chromium_page
+import pytest
+
+from autograder.notices import hide_machine_paths, make_readable, write_notice
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARIES = sysconfig.get_paths()["purelib"]
@@ -46,3 +49,15 @@ def test_make_readable_leaves_no_path_of_the_machine(tmp_path):
     text = page.read_text()
     for where in (str(ROOT), LIBRARIES, sys.prefix, sys.base_prefix, TMP, str(Path.home())):
         assert where + "/" not in text, where
+
+
+@pytest.mark.skipif(chromium_page.browser() is None,
+                    reason="needs Debian's chromium (apt-get install chromium)")
+def test_a_notice_with_long_lines_fits_a_1280_pixel_window_in_chromium(tmp_path):
+    """A timed-out or crashed worker's notice quotes its log: a line with no space in it (a long
+    tensor, a path) wraps instead of widening the page."""
+    page = tmp_path / "notice.html"
+    write_notice(page, "heidi", "05_allreduce", "timed out",
+                 TRACEBACK + "\ngot " + "0.125," * 120 + "\n" + "x" * 400)
+    laid_out = chromium_page.layout(page, tmp_path / "measured.html", width=1280)
+    assert laid_out["page"] <= 1280 and not laid_out["wider"], laid_out

@@ -20,8 +20,10 @@ import time
 import uuid
 from pathlib import Path
 
+import chromium_page
 import nbformat
 import pytest
+from PIL import Image
 from test_autograder import processes_marked
 
 from autograder import grade as grade_module
@@ -83,7 +85,7 @@ def stand_in_workers(scores: dict[str, dict[str, float]], status: dict[str, str]
     points = {grade_id: p for nb in gradesheet.layout(ASSIGNMENT) for grade_id, p in nb.cells}
 
     def grade_all(chosen, found, assignment, root, jobs, cell_timeout, student_timeout,
-                  duedate=None):
+                  duedate=None, cleared_flags=None):
         results = []
         for student in chosen:
             work = root / student
@@ -344,6 +346,30 @@ def test_feedback_wraps_its_output_and_names_every_graded_cell(regraded):
     assert f"{ROOT}/" not in page and f"{sys.prefix}/" not in page  # no path of the machine
     for grade_id, _ in gradesheet.layout(ASSIGNMENT)[1].cells:
         assert f'<a href="#{grade_id}">{grade_id}</a> (test cell)' in page
+
+
+@pytest.mark.skipif(chromium_page.browser() is None,
+                    reason="needs Debian's chromium (apt-get install chromium): the feedback "
+                           "pages are laid out in a real browser")
+def test_every_feedback_page_fits_a_1280_pixel_window_in_chromium(regraded, tmp_path):
+    """Each page of both students (failures with long lines, a notebook not handed in, a full
+    score) in Chromium, 1280 pixels wide: no element runs off the window or scrolls sideways.
+    The screenshots stay in this test's temporary folder for a person to look at."""
+    first, out, _ = regraded
+    pages = {f"first run: {name}": text for student in ("oscar", "bob")
+             for name, text in first[student].items() if name.endswith(".html")}
+    pages |= {f"re-graded: {p.relative_to(out)}": p.read_bytes()
+              for p in sorted((out / "feedback" / "bob").rglob("*.html"))}
+    assert len(pages) == 6  # each student's two notebooks; bob's again after his re-grade
+    for number, (name, text) in enumerate(pages.items()):
+        page = tmp_path / f"page{number}.html"
+        page.write_bytes(text)
+        laid_out = chromium_page.layout(page, tmp_path / f"measured{number}.html", width=1280)
+        assert laid_out["window"] == 1280, name
+        assert laid_out["page"] <= 1280 and not laid_out["wider"], (name, laid_out)
+        with Image.open(tmp_path / f"measured{number}.png") as shot:
+            assert shot.size == (1280, 900), name
+            assert shot.convert("L").getextrema()[0] < 128, f"{name}: nothing drawn"
 
 
 def test_regrading_one_student_leaves_the_other_byte_for_byte(regraded):
