@@ -54,7 +54,8 @@ from autograder.nbgrader_api import REPO, hold_for_review
 from autograder.notices import (add_summary, assignment_summary, make_readable,
                                write_missing_notice, write_notice)
 from autograder.overrides import FILE as OVERRIDES
-from autograder.overrides import OverrideError, apply_overrides, read_overrides
+from autograder.overrides import (CLEARED_FLAGS, OverrideError, apply_overrides,
+                                  read_cleared_flags, read_overrides)
 from autograder.roster import with_roster_columns
 from autograder.trusted import GRADER_NOTE
 from ddpcourse.launcher.processes import kill_process_group, live_descendants, process_table
@@ -217,7 +218,8 @@ class _Worker:
     ``{student}.result.json``."""
 
     def __init__(self, student: str, submission: Path, assignment: str, root: Path,
-                 cell_timeout: int | None, student_timeout: float, duedate: str | None = None):
+                 cell_timeout: int | None, student_timeout: float, duedate: str | None = None,
+                 cleared_flag: str | None = None):
         self.student = student
         work = root / student
         root.mkdir(parents=True, exist_ok=True)
@@ -226,7 +228,7 @@ class _Worker:
         self.log_path = root / f"{student}.log"
         job = {"student": student, "assignment": assignment, "submission": str(submission),
                "work": str(work), "result": str(self.result_path), "cell_timeout": cell_timeout,
-               "duedate": duedate}
+               "duedate": duedate, "cleared_flag": cleared_flag}
         job_path = root / f"{student}.job.json"
         job_path.write_text(json.dumps(job))
         env = dict(os.environ)
@@ -285,8 +287,9 @@ def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None 
     _become_subreaper()
     out = out.resolve()
     found, chosen, previous = plan(submissions.resolve(), assignment, out, students, shard)
-    try:
-        read_overrides(out / OVERRIDES, assignment)  # a wrong line is refused before grading
+    try:  # a wrong line is refused before grading
+        read_overrides(out / OVERRIDES, assignment)
+        cleared_flags = read_cleared_flags(out / CLEARED_FLAGS)
     except OverrideError as wrong:
         raise GradingRefused(str(wrong)) from None
     out.mkdir(parents=True, exist_ok=True)
@@ -297,7 +300,8 @@ def grade_class(submissions: Path, assignment: str, out: Path, jobs: int | None 
     try:
         results, jobs, elapsed = _grade_all(chosen, found, assignment, workers, jobs,
                                             cell_timeout, student_timeout,
-                                            duedate=due_date(out / GRADEBOOK, assignment))
+                                            duedate=due_date(out / GRADEBOOK, assignment),
+                                            cleared_flags=cleared_flags)
         for result in results:
             _explain(result, found[result["student"]], workers)
         _stage(results, assignment, staged, workers, out)
@@ -334,7 +338,8 @@ def due_date(course: Path, assignment: str) -> str | None:
 
 def _grade_all(chosen: list[str], found: dict[str, Path], assignment: str, root: Path,
                jobs: int | None, cell_timeout: int | None, student_timeout: float,
-               duedate: str | None = None) -> tuple[list[dict], int, float]:
+               duedate: str | None = None, cleared_flags: dict[str, str] | None = None,
+               ) -> tuple[list[dict], int, float]:
     pending = [(student, found[student]) for student in chosen]
     jobs = jobs or os.cpu_count() or 1
     running: list[_Worker] = []
@@ -345,7 +350,8 @@ def _grade_all(chosen: list[str], found: dict[str, Path], assignment: str, root:
             while pending and len(running) < jobs:
                 student, folder = pending.pop(0)
                 running.append(_Worker(student, folder, assignment, root, cell_timeout,
-                                       student_timeout, duedate))
+                                       student_timeout, duedate,
+                                       (cleared_flags or {}).get(student)))
             for worker in list(running):
                 result = worker.poll()
                 if result is not None:

@@ -11,6 +11,7 @@ import ast
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from nbgrader.preprocessors import NbGraderPreprocessor
@@ -176,8 +177,13 @@ def _record_submission(grades, course, assignment: str, student: str) -> None:
         pass
     if submitted is None:
         return
-    course.add_submission(assignment, student, timestamp=submitted.timestamp,
-                          extension=submitted.extension)
+    with warnings.catch_warnings():
+        # nbgrader builds the submission's notebooks and grades before it adds the submission to
+        # its session, and SQLAlchemy 2 warns that it no longer adds them through the backrefs;
+        # adding the submission adds them all (the gradebook tests read every grade back)
+        warnings.filterwarnings("ignore", r"Object of type <Submitted\w+> not in session")
+        course.add_submission(assignment, student, timestamp=submitted.timestamp,
+                              extension=submitted.extension)
     for notebook in submitted.notebooks:
         target = course.find_submission_notebook(notebook.name, assignment, student)
         target.flagged = notebook.flagged

@@ -9,7 +9,11 @@ worker that timed out or crashed), so that every student always has a page that 
 from __future__ import annotations
 
 import html
+import os
 import re
+import sys
+import sysconfig
+import tempfile
 from pathlib import Path
 
 
@@ -18,7 +22,8 @@ def write_notice(dest: Path, student: str, assignment: str, title: str, body: st
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(assignment)}: {html.escape(student)}</title></head><body>"
+        f"<title>{html.escape(assignment)}: {html.escape(student)}</title>"
+        "<style>pre {white-space: pre-wrap; overflow-wrap: anywhere}</style></head><body>"
         f"<h1>{html.escape(assignment)} &mdash; {html.escape(title)}</h1>"
         f"<p>Student: {html.escape(student)}. Score: 0.</p>"
         f"<pre>{html.escape(body)}</pre>"
@@ -68,19 +73,57 @@ def add_summary(page: Path, summary: str) -> None:
     page.write_text(text[:end] + summary + text[end:])
 
 
-# Long lines of test output wrap instead of running off the page's right edge.
+# Long lines of test output wrap instead of running off the page's right edge, between words
+# (the page's Bootstrap breaks a <pre> anywhere, even mid-word) unless a word is wider than the page.
 WRAP_OUTPUT = ("<style>div.output_area pre, div.output_subarea pre {white-space: pre-wrap; "
-               "overflow-wrap: anywhere}</style>")
+               "word-break: normal; overflow-wrap: anywhere}</style>")
 _TOC_ENTRY = re.compile(r'<li><a href="#([^"]+)">(Test cell|Written response|'
                         r'Coding free-response)</a>')
 
 
 def make_readable(page: Path) -> None:
-    """An nbgrader feedback page, easier to read: output wraps at the window's width, and the
-    list of scores at the top names each graded cell by its grade id (nbgrader's template calls
-    every one "Test cell")."""
+    """An nbgrader feedback page, easier to read: output wraps at the window's width, the list
+    of scores at the top names each graded cell by its grade id (nbgrader's template calls every
+    one "Test cell"), and no path says where the grading machine keeps things."""
     text = page.read_text()
     if WRAP_OUTPUT not in text:
         text = text.replace("</head>", WRAP_OUTPUT + "\n</head>", 1)
     text = _TOC_ENTRY.sub(lambda m: f'<li><a href="#{m[1]}">{m[1]}</a> ({m[2].lower()})', text)
-    page.write_text(text)
+    page.write_text(hide_machine_paths(text))
+
+
+_COURSE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _machine_prefixes() -> list[tuple[str, str]]:
+    """(where, what a student reads instead), longest first: installed libraries become their
+    import path (``torch/distributed/...``), the course's files their path in the repository;
+    Python's own directory, temporary files and the home directory are shortened."""
+    libraries = {sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")}
+    prefixes = [(directory, "") for directory in libraries]
+    prefixes += [(str(_COURSE_ROOT), ""), (sys.prefix, "<python>"), (sys.base_prefix, "<python>"),
+                 (tempfile.gettempdir(), "<tmp>"), (str(Path.home()), "~")]
+    # both the path as given and the real one (a symlinked home or /tmp)
+    prefixes += [(os.path.realpath(where), label) for where, label in prefixes]
+    unique = {where.rstrip(os.sep) + os.sep: label + os.sep if label else ""
+              for where, label in prefixes if len(where) > 1}
+    return sorted(unique.items(), key=lambda item: len(item[0]), reverse=True)
+
+
+def hide_machine_paths(text: str, in_html: bool = True) -> str:
+    """``text`` (an HTML page, or plain text) without the grading machine's absolute paths
+    (:func:`_machine_prefixes`)."""
+    label = html.escape if in_html else str
+    for temporary in {tempfile.gettempdir(), os.path.realpath(tempfile.gettempdir())}:
+        # the file IPython gives a notebook cell's code
+        kernel_files = re.escape(temporary.rstrip(os.sep) + os.sep) + r"ipykernel_\d+/\d+\.py"
+        cell_file = _PATH_START + kernel_files
+        text = re.sub(cell_file, label("<notebook cell>"), text)
+    prefixes = _machine_prefixes()
+    instead = dict(prefixes)
+    alternatives = "|".join(re.escape(where) for where, _ in prefixes)
+    anywhere = re.compile(f"{_PATH_START}({alternatives})")
+    return anywhere.sub(lambda match: label(instead[match[1]]), text)
+
+
+_PATH_START = r"(?<![\w./~-])"  # where an absolute path can begin: not inside a URL or a word

@@ -15,6 +15,12 @@ row's notes and on every feedback page. ``python -m autograder override OUT`` ap
 to what OUT holds; ``grade`` and ``merge`` apply it after every run, so re-grading a student
 keeps their overrides. Applying twice changes nothing. Only graded submissions can be
 overridden: a flagged, dropped or timed-out one is re-graded first.
+
+A tamper flag the instructor has reviewed and found wrong is cleared in ``OUT/cleared_flags.csv``
+(``student,reason``): re-grading that student (``grade ... --student NAME``) then scores the
+submission as its tests say, and its notes keep the scan's findings with the reason. The kernel's
+own protections (the locked setup cell, the checks run outside the kernel) still hold, so a
+cleared flag gives a real tamperer nothing the tests did not.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from autograder import gradesheet
 
 FILE = "overrides.csv"
 COLUMNS = ("student", "cell", "score", "reason")
+CLEARED_FLAGS = "cleared_flags.csv"
+CLEARED_COLUMNS = ("student", "reason")
 NOTE = "changed by the instructor"  # starts every note this module writes, and only those
 BLOCK = re.compile(r"<div class='overrides'.*?</div>", re.S)
 
@@ -53,6 +61,17 @@ class Override:
         return f"{self.notebook}:{self.grade_id}"
 
 
+def _numbered_lines(path: Path, columns: tuple[str, ...]) -> list[tuple[int, dict]]:
+    """The rows of the CSV file ``path`` with their line numbers; OverrideError unless its first
+    line names exactly ``columns``."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if list(reader.fieldnames or []) != list(columns):
+            raise OverrideError(f"{path}: the first line must be {','.join(columns)} "
+                                f"(it is {','.join(reader.fieldnames or [])})")
+        return list(enumerate(reader, start=2))
+
+
 def read_overrides(path: Path, assignment: str) -> list[Override]:
     """The overrides in ``path`` (none when there is no such file), checked against the
     assignment's cells and points; OverrideError names every line that is wrong."""
@@ -60,12 +79,7 @@ def read_overrides(path: Path, assignment: str) -> list[Override]:
         return []
     points = {f"{nb.slug}:{grade_id}": value
               for nb in gradesheet.layout(assignment) for grade_id, value in nb.cells}
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if list(reader.fieldnames or []) != list(COLUMNS):
-            raise OverrideError(f"{path}: the first line must be {','.join(COLUMNS)} "
-                                f"(it is {','.join(reader.fieldnames or [])})")
-        lines = list(enumerate(reader, start=2))
+    lines = _numbered_lines(path, COLUMNS)
     overrides, problems, seen = [], [], set()
     for number, line in lines:
         where = f"{path.name} line {number}"
@@ -91,6 +105,27 @@ def read_overrides(path: Path, assignment: str) -> list[Override]:
     if problems:
         raise OverrideError("\n".join(problems))
     return overrides
+
+
+def read_cleared_flags(path: Path) -> dict[str, str]:
+    """student -> why the instructor cleared their tamper flag, from ``path`` (none when there is
+    no such file); OverrideError names every line that is wrong."""
+    if not path.is_file():
+        return {}
+    lines = _numbered_lines(path, CLEARED_COLUMNS)
+    cleared, problems = {}, []
+    for number, line in lines:
+        student, reason = ((line[c] or "").strip() for c in CLEARED_COLUMNS)
+        if not student or not reason:
+            problems.append(f"{path.name} line {number}: every cleared flag needs a student "
+                            "and a reason")
+        elif student in cleared:
+            problems.append(f"{path.name} line {number}: {student}'s flag is cleared twice")
+        else:
+            cleared[student] = reason
+    if problems:
+        raise OverrideError("\n".join(problems))
+    return cleared
 
 
 def apply_overrides(out: Path, assignment: str) -> list[str]:

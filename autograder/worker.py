@@ -196,6 +196,7 @@ class _Prepared:
     host_box: sandbox.Sandbox | None
     started: float
     duedate: str | None = None  # the course gradebook's, for nbgrader's late penalties
+    cleared_flag: str | None = None  # why the instructor cleared this student's tamper flag
 
     @property
     def submitted(self) -> Path:
@@ -250,7 +251,8 @@ def _prepare(job: dict) -> _Prepared:
     os.environ[GRADED_FUNCTIONS] = ",".join(
         sorted({name for cells in graded_outside.values() for name in trusted.graded_names(cells)}))
     return _Prepared(student, assignment, work, config, graded_outside, in_kernel, flags, moved,
-                     sandbox_warning, kernel_box, host_box, started, job.get("duedate"))
+                     sandbox_warning, kernel_box, host_box, started, job.get("duedate"),
+                     job.get("cleared_flag"))
 
 
 def _rank_host(prepared: _Prepared, rank: int, relay_dir: Path) -> trusted.ObservationHost:
@@ -339,7 +341,11 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
         notes.append(f"late by {late_penalty.lateness(late['seconds'])}: "
                      f"-{late['penalty']:g} points")
     flags = prepared.flags
-    if flags:
+    cleared = prepared.cleared_flag
+    if flags and cleared:
+        notes.append(f"the static scan's findings, cleared by the instructor ({cleared}): "
+                     + "; ".join(flags))
+    elif flags:
         status, score = "flagged for tampering", 0.0
         notes.append("tampering found by the static scan: " + "; ".join(flags))
         for page in feedback_dir.glob("*.html"):

@@ -20,8 +20,10 @@ import time
 import uuid
 from pathlib import Path
 
+import chromium_page
 import nbformat
 import pytest
+from PIL import Image
 from test_autograder import processes_marked
 
 from autograder import grade as grade_module
@@ -83,7 +85,7 @@ def stand_in_workers(scores: dict[str, dict[str, float]], status: dict[str, str]
     points = {grade_id: p for nb in gradesheet.layout(ASSIGNMENT) for grade_id, p in nb.cells}
 
     def grade_all(chosen, found, assignment, root, jobs, cell_timeout, student_timeout,
-                  duedate=None):
+                  duedate=None, cleared_flags=None):
         results = []
         for student in chosen:
             work = root / student
@@ -341,8 +343,33 @@ def test_feedback_wraps_its_output_and_names_every_graded_cell(regraded):
     page = first["oscar"][f"feedback/oscar/{ASSIGNMENT}/bucketed_ddp.html"].decode()
     assert "white-space: pre-wrap" in page.split("</head>")[0]
     assert ">Test cell<" not in page
+    assert f"{ROOT}/" not in page and f"{sys.prefix}/" not in page  # no path of the machine
     for grade_id, _ in gradesheet.layout(ASSIGNMENT)[1].cells:
         assert f'<a href="#{grade_id}">{grade_id}</a> (test cell)' in page
+
+
+@pytest.mark.skipif(chromium_page.browser() is None,
+                    reason="needs Debian's chromium (apt-get install chromium): the feedback "
+                           "pages are laid out in a real browser")
+def test_every_feedback_page_fits_a_1280_pixel_window_in_chromium(regraded, tmp_path):
+    """Each page of both students (failures with long lines, a notebook not handed in, a full
+    score) in Chromium, 1280 pixels wide: no element runs off the window or scrolls sideways.
+    The screenshots stay in this test's temporary folder for a person to look at."""
+    first, out, _ = regraded
+    pages = {f"first run: {name}": text for student in ("oscar", "bob")
+             for name, text in first[student].items() if name.endswith(".html")}
+    pages |= {f"re-graded: {p.relative_to(out)}": p.read_bytes()
+              for p in sorted((out / "feedback" / "bob").rglob("*.html"))}
+    assert len(pages) == 6  # each student's two notebooks; bob's again after his re-grade
+    for number, (name, text) in enumerate(pages.items()):
+        page = tmp_path / f"page{number}.html"
+        page.write_bytes(text)
+        laid_out = chromium_page.layout(page, tmp_path / f"measured{number}.html", width=1280)
+        assert laid_out["window"] == 1280, name
+        assert laid_out["page"] <= 1280 and not laid_out["wider"], (name, laid_out)
+        with Image.open(tmp_path / f"measured{number}.png") as shot:
+            assert shot.size == (1280, 900), name
+            assert shot.convert("L").getextrema()[0] < 128, f"{name}: nothing drawn"
 
 
 def test_regrading_one_student_leaves_the_other_byte_for_byte(regraded):
@@ -476,3 +503,40 @@ def test_a_wrong_override_is_refused_and_changes_nothing(regraded, tmp_path):
         done = override(copy)
         assert done.returncode == 2 and why in done.stderr, done.stderr
         assert (copy / "grades.csv").read_bytes() == snapshot
+
+
+# --- a tamper flag that the instructor reviewed and cleared --------------------------------------
+
+# A right notebook with one harmless eval: the static scan flags it (eval is never needed).
+PEGGY = build(CORRECT, extra_after={"ring-allreduce": "print(eval('6 * 7'))"})
+CLEARED = "student,reason\npeggy,eval of a constant: harmless\n"
+
+
+def test_a_cleared_tamper_flag_scores_the_submission_as_its_tests_say(tmp_path):
+    root, out = tmp_path, tmp_path / "out"
+    folder = root / "submitted/peggy" / ASSIGNMENT
+    folder.mkdir(parents=True)
+    nbformat.write(PEGGY, folder / "allreduce_by_hand.ipynb")
+    out.mkdir()
+    (out / "cleared_flags.csv").write_text(CLEARED)
+    grade(root, out)
+    peggy = read_csv(out / "grades.csv")[1]["peggy"]
+    assert (peggy["status"], float(peggy["score"])) == ("graded", 13.0), peggy
+    assert "eval" in peggy["flags"]  # the scan's findings stay on record
+    assert "cleared by the instructor (eval of a constant: harmless)" in peggy["notes"]
+    page = (out / "feedback/peggy" / ASSIGNMENT / "allreduce_by_hand.html").read_text()
+    assert "flagged for review" not in page and "13 of 26 points" in page
+    assert gradebook_submissions(out, ASSIGNMENT)["peggy"][0] == pytest.approx(13.0)
+
+
+def test_a_wrong_cleared_flags_file_is_refused_before_grading(tmp_path, capsys):
+    root, out = write_class(tmp_path / "class", ["bob"]), tmp_path / "out"
+    out.mkdir()
+    for text, why in [("student\nbob\n", "the first line must be student,reason"),
+                      ("student,reason\nbob,\n", "needs a student and a reason"),
+                      ("student,reason\nbob,x\nbob,y\n", "cleared twice")]:
+        (out / "cleared_flags.csv").write_text(text)
+        assert main(["grade", str(root / "submitted"), "--assignment", ASSIGNMENT,
+                     "--out", str(out)]) == 2
+        assert why in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["cleared_flags.csv"]  # nothing written

@@ -10,6 +10,7 @@ import torch
 
 from ddpcourse.grading.checks import CheckFailed, ring_traffic_bounds
 from ddpcourse.grading.exercises import allreduce_by_hand as checks
+from rank_lines import ranks_named
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 
@@ -33,7 +34,7 @@ def test_a_check_explains_per_rank_what_was_expected_and_what_came_back():
     with pytest.raises(CheckFailed) as info:
         checks.check_ring_allreduce_two_ranks(off_by_one)
     message = str(info.value)
-    assert "rank 0:" in message and "rank 1:" in message and "expected [" in message
+    assert {0, 1} <= set(ranks_named(message)) and "expected [" in message
 
 
 def test_a_sum_where_the_mean_was_due_is_named_as_such():

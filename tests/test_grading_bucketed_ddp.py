@@ -15,6 +15,7 @@ from autograder.hidden import bucketed_ddp as hidden
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import bucketed_ddp as checks
+from rank_lines import names_ranks_first, ranks_named
 from trusted_path import altered, submitted
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
@@ -47,16 +48,36 @@ def test_the_reference_solution_passes_visible_and_hidden_checks():
     hidden.check_bucketed_ddp(BucketedDDP)
 
 
-def test_the_expected_buckets_follow_the_contract():
+def test_the_reference_buckets_follow_the_contract():
     model = checks.make_net("plain", torch.float32, 0)
-    assert checks.expected_buckets(model, 1e-9) == [[n] for n, _ in
-                                                    reversed(list(model.named_parameters()))]
-    assert checks.expected_buckets(model, 25.0) == [[n for n, _ in
-                                                     reversed(list(model.named_parameters()))]]
+    assert hidden.reference_buckets(model, 1e-9) == [[n] for n, _ in
+                                                     reversed(list(model.named_parameters()))]
+    assert hidden.reference_buckets(model, 25.0) == [[n for n, _ in
+                                                      reversed(list(model.named_parameters()))]]
     # 0.0015 MiB = 1572 bytes: out.* + mid2.* + mid.bias = 1356 bytes, then mid.weight + inp.*
-    assert checks.expected_buckets(model, 0.0015) == [
+    assert hidden.reference_buckets(model, 0.0015) == [
         ["out.bias", "out.weight", "mid2.bias", "mid2.weight", "mid.bias"],
         ["mid.weight", "inp.bias", "inp.weight"]]
+    frozen = checks.make_net("frozen", torch.float32, 0)
+    assert "inp.bias" not in sum(hidden.reference_buckets(frozen, 25.0), [])
+
+
+def test_every_written_out_plan_is_the_reference_plan():
+    """The visible checks hold no bucket planner (it is the exercise's answer): each visible
+    case's plan is written out, held here to the reference planner of the hidden checks."""
+    for (variant, dtype_name, bucket_cap_mb), buckets in checks.VISIBLE_PLANS.items():
+        model = checks.reference_net(variant, checks.DTYPES[dtype_name], 0)
+        assert buckets == hidden.reference_buckets(model, bucket_cap_mb), (variant, bucket_cap_mb)
+    assert not hasattr(checks, "expected_buckets")
+
+
+def test_the_visible_judge_refuses_a_case_without_a_written_out_plan():
+    """A grader bug (a case with no plan) is said as such, not blamed on the student."""
+    for variant, dtype_name, bucket_cap_mb in [("plain", "float32", 0.0015),
+                                               ("tied", "float32", 0.001),
+                                               ("plain", "float64", 0.001)]:
+        with pytest.raises(LookupError, match="grader bug: no written-out bucket plan"):
+            checks.judge_bucketed_training([None, None], 2, bucket_cap_mb, variant, dtype_name)
 
 
 @pytest.mark.parametrize("mistake, replacement, check, message", [
@@ -125,11 +146,12 @@ def test_one_mistake_fails_one_test():
 
 def test_a_bucket_may_hold_exactly_the_cap():
     model = checks.make_net("plain", torch.float32, 0)
-    assert checks.expected_buckets(model, checks.EXACT_CAP_MB)[0] == [
+    assert hidden.reference_buckets(model, checks.EXACT_CAP_MB)[0] == [
         "out.bias", "out.weight", "mid2.bias", "mid2.weight"]  # 12 + 192 + 64 + 1024 bytes
     _, closes_at_the_cap = build(("if current and size + nbytes > cap:",
                                   "if current and size + nbytes >= cap:"))
-    with pytest.raises(CheckFailed, match=r"bucket_cap_mb=0\.00123215.*expected 3 all-reduce calls"):
+    with pytest.raises(CheckFailed,
+                       match=r"bucket_cap_mb=0\.00123215.*expected 3 all-reduce calls"):
         checks.check_bucketed_ddp_one_allreduce_per_bucket(closes_at_the_cap)
 REBINDS_THE_CHECKS = ("        broadcast_parameters(module)\n", """\
         broadcast_parameters(module)
@@ -147,7 +169,7 @@ def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
     _, BucketedDDP = build(SUM_NOT_MEAN, REBINDS_THE_CHECKS)
     with pytest.raises(CheckFailed, match="largest difference") as failed:
         checks.check_bucketed_ddp_matches_one_process(BucketedDDP)
-    assert "rank 0:" in str(failed.value) and "rank 1:" in str(failed.value)
+    assert {0, 1} <= set(ranks_named(str(failed.value)))
 
 
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
@@ -185,7 +207,7 @@ def test_the_trusted_grader_catches(host, mistake, replacements, check, message)
     graded = broadcast_parameters if "broadcast" in check.__name__ else BucketedDDP
     with pytest.raises(CheckFailed, match=message) as failed:
         check(submitted(graded, host))
-    assert str(failed.value).startswith("rank ")  # each failed rank is named
+    assert names_ranks_first(str(failed.value))  # each failed rank is named
 
 
 # --- the judges read the ranks' reports as untrusted data ----------------------------------
@@ -201,8 +223,9 @@ def honest_broadcast_report(world_size):
                             + world_size * (world_size - 1) / 2)}
 
 
-def honest_training_report(world_size, bucket_cap_mb, steps):
-    reference = checks.one_process(world_size, bucket_cap_mb, "plain", torch.float32, 0, steps)
+def honest_training_report(world_size, bucket_cap_mb, steps, planner=checks.written_out_plan):
+    reference = checks.one_process(planner, world_size, bucket_cap_mb, "plain", torch.float32, 0,
+                                   steps)
     plan = reference.plan
     return {"is_module": True, "construction_collectives": ["broadcast_"],
             "broadcast_parameters_called": True,
@@ -236,8 +259,21 @@ TRAINING_DAMAGE = [
 
 def test_honest_reports_pass_the_judges():
     checks.judge_broadcast([honest_broadcast_report(2)] * 2, 2)
-    checks.judge_bucketed_training([honest_training_report(2, 0.0015, 2)] * 2, 2, 0.0015,
+    checks.judge_bucketed_training([honest_training_report(2, 0.001, 2)] * 2, 2, 0.001,
                                    "plain", "float32", 0, 2, "all")
+    hidden.judge_with_reference_plan(
+        [honest_training_report(2, 0.0015, 2, hidden.reference_buckets)] * 2, 2, 0.0015,
+        "plain", "float32", 0, 2, "all")
+
+
+def test_the_hidden_judge_catches_a_wrong_plan():
+    """All-reduces of the buckets in forward order (0.0015 MiB: 1536 + 1292 bytes; the
+    reference's are 1356 + 1472), judged against the reference planner."""
+    report = honest_training_report(2, 0.0015, 1, hidden.reference_buckets)
+    report["steps"][0]["allreduce_bytes"] = [1536, 1292]
+    with pytest.raises(CheckFailed, match=r"the buckets hold \[1356, 1472\] bytes"):
+        hidden.judge_with_reference_plan([report] * 2, 2, 0.0015, "plain", "float32", 0, 1,
+                                         "buckets")
 
 
 @pytest.mark.parametrize("case, path, value",
@@ -250,8 +286,8 @@ def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge(case, pat
     if case == "broadcast":
         honest, judge, args = honest_broadcast_report(2), checks.judge_broadcast, ()
     else:
-        honest, judge = honest_training_report(2, 0.0015, 2), checks.judge_bucketed_training
-        args = (0.0015, "plain", "float32", 0, 2, "all")
+        honest, judge = honest_training_report(2, 0.001, 2), checks.judge_bucketed_training
+        args = (0.001, "plain", "float32", 0, 2, "all")
     with pytest.raises(CheckFailed) as failed:
         judge([honest, altered(honest, path, value)], 2, *args)
     message = str(failed.value)

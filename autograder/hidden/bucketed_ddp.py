@@ -1,11 +1,45 @@
 """Hidden checks for chapter 05's DDP exercises: world sizes 1-4, float64, frozen, unused and
 tied parameters, a bucket cap far below one parameter. They judge values and buckets; overlap,
-judged by its own visible test, is not judged again (one mistake, one lost test)."""
+judged by its own visible test, is not judged again (one mistake, one lost test).
+
+:func:`reference_buckets` is the grader's reference bucket planner, kept here because it is the
+exercise's answer: the visible checks only have their own cases' plans written out
+(``VISIBLE_PLANS``), which tests/test_grading_bucketed_ddp.py holds to it. The hidden cases run
+the visible module's ``observe`` and are judged here, with this planner."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.exercises.bucketed_ddp import BROADCAST, BUCKETED_TRAINING
-from ddpcourse.grading.checks import run_student
+from torch import nn
+
+from ddpcourse.grading.checks import Case, run_student
+from ddpcourse.grading.exercises.bucketed_ddp import (BROADCAST, MIB, judge_training,
+                                                      observe_bucketed_training)
+
+
+def reference_buckets(module: nn.Module, bucket_cap_mb: float) -> list[list[str]]:
+    """The contract's bucket plan, as parameter names: the trainable parameters in reverse order
+    of ``named_parameters()``, packed greedily into buckets of at most ``bucket_cap_mb`` MiB."""
+    cap = bucket_cap_mb * MIB
+    buckets, current, size = [], [], 0
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    for name, p in reversed(named):
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > cap:  # a bucket may hold exactly the cap
+            buckets.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def judge_with_reference_plan(observations, world_size, *args):
+    """The visible judge, with the bucket plan of :func:`reference_buckets`."""
+    judge_training(reference_buckets, observations, world_size, *args)
+
+
+TRAINING_WITH_REFERENCE_PLAN = Case(observe_bucketed_training, judge_with_reference_plan)
 
 
 def _hidden(case, world_size, fn, *args):
@@ -33,5 +67,5 @@ def check_bucketed_ddp(BucketedDDP) -> None:
         (2, 0.002, "tied", "float64", 9),
     ]
     for world_size, bucket_cap_mb, variant, dtype, seed in cases:
-        _hidden(BUCKETED_TRAINING, world_size, BucketedDDP, bucket_cap_mb, variant, dtype,
-                seed, 3, "values and buckets")  # overlap has its own visible test
+        _hidden(TRAINING_WITH_REFERENCE_PLAN, world_size, BucketedDDP, bucket_cap_mb, variant,
+                dtype, seed, 3, "values and buckets")  # overlap has its own visible test

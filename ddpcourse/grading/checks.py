@@ -188,10 +188,10 @@ def run_student(case: Case | Callable[..., Any], world_size: int, student_fn: Ca
         results = run_observation(observe, world_size, payload, args, timeout, init_process_group)
     except RankError as err:
         raise CheckFailed(explain(err, hide_internals, timeout)) from None
-    wrong = [f"rank {rank}: {r.message}" for rank, r in enumerate(results)
+    wrong = [(rank, r.message) for rank, r in enumerate(results)
              if isinstance(r, _WrongResult) and r.message != _PEER_FAILED]
     if wrong:
-        raise CheckFailed("\n".join(wrong))
+        raise CheckFailed(by_rank(wrong))
     if isinstance(case, Case):
         case.judge(results, world_size, *args)
     return results
@@ -277,10 +277,26 @@ def explain(err: RankError, hide_internals: bool, timeout: float) -> str:
     failures = [failure for failure in err.failures if failure.kind != "stopped"]
     if not failures:  # every rank "stopped": the launcher ended them all (its deadline)
         return "\n".join(failure.headline() for failure in err.failures)
-    lines = [_explain_one(failure, timeout) for failure in failures]
+    text = by_rank([(failure.rank, _explain_one(failure, timeout)) for failure in failures])
     if any(failure.kind == "timeout" for failure in failures):
-        lines.append(TIMEOUT_HINT)
-    return "\n".join(lines)
+        text += "\n" + TIMEOUT_HINT
+    return text
+
+
+def by_rank(messages: Sequence[tuple[int, str]]) -> str:
+    """``rank R: why`` for each rank's message, where ranks with the same message share one
+    line (``ranks 0 and 1: why``), in the order of their first rank: a student reads each
+    failure once, and still sees whether one rank or all of them went wrong."""
+    ranks: dict[str, list[int]] = {}
+    for rank, message in messages:
+        ranks.setdefault(message, []).append(rank)
+    return "\n".join(f"{_ranks_text(same)}: {message}" for message, same in ranks.items())
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
 TIMEOUT_HINT = (
@@ -290,27 +306,27 @@ TIMEOUT_HINT = (
 
 
 def _explain_one(failure: RankFailure, timeout: float) -> str:
-    rank = f"rank {failure.rank}"
+    """What one rank did, without its "rank R: " (see :func:`by_rank`)."""
     if failure.kind == "raised" and failure.exc_type in ("CheckFailed", "TamperingError"):
-        return f"{rank}: {failure.message}"
+        return failure.message
     if failure.kind == "raised":
-        return (f"{rank}: your code raised {failure.exc_type}: {failure.message}\n"
+        return (f"your code raised {failure.exc_type}: {failure.message}\n"
                 f"{without_grader_frames(failure.traceback)}")
     if failure.kind == "timeout":
         waiting_in = grader_collective_waited_in(failure.stack)
         if waiting_in:
-            return (f"{rank}: did not finish within {timeout:g} s, but not in your code: your "
-                    f"function had returned, and this rank was waiting in the check's own "
+            return (f"did not finish within {timeout:g} s, but not in your code: your "
+                    f"function had returned, and it was waiting in the check's own "
                     f"{waiting_in}, which every rank makes after your function, for the ranks "
                     "still in your code (or for a collective your code left pending)")
         stack = without_grader_frames(_CURRENT_THREAD.sub("", failure.stack))
         if not ran_student_code(failure.stack):
-            return (f"{rank}: did not finish within {timeout:g} s, and was not in your code: it "
+            return (f"did not finish within {timeout:g} s, and was not in your code: it "
                     "had not reached your function yet (starting up on a busy machine?). Where "
                     f"it was (innermost frame first):\n{stack}")
-        return (f"{rank}: did not finish within {timeout:g} s. Where it was (innermost frame "
+        return (f"did not finish within {timeout:g} s. Where it was (innermost frame "
                 f"first):\n{stack}")
-    return f"{rank}: {failure.message or failure.headline()}"
+    return failure.message or failure.headline()
 
 
 # --- the grader's frames, told apart from the student's and the libraries' -----------------------
@@ -428,15 +444,15 @@ def reported_tensors(state: dict, want: dict[str, torch.Tensor], whose: str) -> 
 
 def judge_each_rank(observations: Sequence[Any], judge_rank: Callable[[int, Any], None]) -> None:
     """Call ``judge_rank(rank, observation)`` for every rank; one CheckFailed listing every rank
-    that failed (``rank R: why``), so a student sees whether one rank or all of them went wrong."""
+    that failed (:func:`by_rank`), so a student sees whether one rank or all of them went wrong."""
     wrong = []
     for rank, observation in enumerate(observations):
         try:
             judge_rank(rank, observation)
         except CheckFailed as failed:
-            wrong.append(f"rank {rank}: {failed}")
+            wrong.append((rank, str(failed)))
     if wrong:
-        raise CheckFailed("\n".join(wrong))
+        raise CheckFailed(by_rank(wrong))
 
 
 def cut_text(text: Any, limit: int) -> str:

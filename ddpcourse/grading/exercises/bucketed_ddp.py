@@ -13,11 +13,15 @@ every layer but the first is done) tells whether communication overlapped with b
 
 Each case is a :class:`~ddpcourse.grading.checks.Case`: the ranks only record what they see
 (the module's tensors, the collectives, the gradients of every step) and the judge rebuilds rank
-0's model, replays the one-process training and the bucket plan itself, and compares.
+0's model, replays the one-process training itself, and compares. The bucket plan is the
+exercise's answer, so this module does not compute it: the visible cases' plans are written out
+(:data:`VISIBLE_PLANS`); the hidden checks judge their own cases with the grader's reference
+planner (:func:`judge_training` takes the planner).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,23 +108,6 @@ def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
 def copy_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached clones: what an observation holds instead of the module's own tensors."""
     return {name: t.detach().clone() for name, t in tensors.items()}
-
-
-def expected_buckets(module: nn.Module, bucket_cap_mb: float) -> list[list[str]]:
-    """The contract's bucket assignment, as parameter names: reverse order, greedy by bytes."""
-    cap = bucket_cap_mb * MIB
-    buckets, current, size = [], [], 0
-    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-    for name, p in reversed(named):
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > cap:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 # --- reading what a rank reported (it may be anything: the rank ran the student's code) --------
@@ -347,13 +334,51 @@ def observe_bucketed_training(rank, world_size, BucketedDDP, bucket_cap_mb, vari
     return observation
 
 
-class BucketPlan:
-    """What the contract says must happen in every step, for one model and cap."""
+# A cap that the first bucket (out.bias, out.weight, mid2.bias, mid2.weight: 12 + 192 + 64 +
+# 1024 bytes) fills exactly: a bucket may hold the cap itself (``>``, not ``>=``).
+EXACT_CAP_MB = 1292 / MIB
 
-    def __init__(self, model: nn.Module, bucket_cap_mb: float):
+# The contract's bucket plan for every (variant, dtype, bucket_cap_mb) the visible checks train,
+# written out rather than computed, so that the public package does not hold the algorithm (the
+# exercise's answer). tests/test_grading_bucketed_ddp.py holds each entry to the grader's
+# reference planner. Bytes, in reverse order: out.bias 12, out.weight 192, mid2.bias 64,
+# mid2.weight 1024, mid.bias 64, mid.weight 1024, inp.bias 64, inp.weight 384.
+VISIBLE_PLANS: dict[tuple[str, str, float], list[list[str]]] = {
+    ("plain", "float32", 0.001): [["out.bias", "out.weight", "mid2.bias"], ["mid2.weight"],
+                                  ["mid.bias"], ["mid.weight"], ["inp.bias", "inp.weight"]],
+    ("plain", "float32", 1e-6): [["out.bias"], ["out.weight"], ["mid2.bias"], ["mid2.weight"],
+                                 ["mid.bias"], ["mid.weight"], ["inp.bias"], ["inp.weight"]],
+    ("plain", "float32", EXACT_CAP_MB): [["out.bias", "out.weight", "mid2.bias", "mid2.weight"],
+                                         ["mid.bias", "mid.weight", "inp.bias"], ["inp.weight"]],
+    ("plain", "float32", 25.0): [["out.bias", "out.weight", "mid2.bias", "mid2.weight",
+                                  "mid.bias", "mid.weight", "inp.bias", "inp.weight"]],
+}
+
+# ``planner(model, bucket_cap_mb)``: the contract's buckets for rank 0's model, as parameter names.
+Planner = Callable[[Net, float], list[list[str]]]
+
+
+def written_out_plan(model: Net, bucket_cap_mb: float) -> list[list[str]]:
+    """The visible cases' planner: their plan from :data:`VISIBLE_PLANS`. Any other model or cap
+    is a grader bug (a visible case added without its plan, or a hidden case judged without the
+    hidden planner), never the student's: it raises LookupError instead of guessing."""
+    key = (model.variant, str(next(model.parameters()).dtype).removeprefix("torch."),
+           bucket_cap_mb)
+    if key not in VISIBLE_PLANS:
+        raise LookupError(f"grader bug: no written-out bucket plan for {key} (variant, dtype, "
+                          "bucket_cap_mb): add it to VISIBLE_PLANS, or judge the case with the "
+                          "hidden checks' planner")
+    return [list(bucket) for bucket in VISIBLE_PLANS[key]]
+
+
+class BucketPlan:
+    """What the contract says must happen in every step, for one model and its ``buckets`` (the
+    contract's bucket plan as parameter names, given by a :data:`Planner`)."""
+
+    def __init__(self, model: nn.Module, buckets: list[list[str]]):
         params = dict(model.named_parameters())
         unused = {n for n in params if n.startswith("aux.")}
-        self.with_grad = [b for b in expected_buckets(model, bucket_cap_mb) if set(b) - unused]
+        self.with_grad = [b for b in buckets if set(b) - unused]
         self.bucket_bytes = sorted(sum(params[n].numel() * params[n].element_size() for n in b)
                                    for b in self.with_grad)
         self.exact_sizes = not unused  # a bucket with an unused parameter may leave it out
@@ -373,10 +398,11 @@ class OneProcess:
     weights: dict[str, torch.Tensor]  # after the last step
 
 
-def one_process(world_size: int, bucket_cap_mb: float, variant: str, dtype: torch.dtype,
-                seed: int, steps: int) -> OneProcess:
+def one_process(planner: Planner, world_size: int, bucket_cap_mb: float, variant: str,
+                dtype: torch.dtype, seed: int, steps: int) -> OneProcess:
     single = reference_net(variant, dtype, seed)
-    plan, state = BucketPlan(single, bucket_cap_mb), copy_of(state_of(single))
+    plan = BucketPlan(single, planner(single, bucket_cap_mb))
+    state = copy_of(state_of(single))
     x_all, y_all = global_batch(world_size, dtype, seed)
     optimizer = torch.optim.SGD(single.parameters(), lr=LR)
     grads = []
@@ -392,12 +418,21 @@ def one_process(world_size: int, bucket_cap_mb: float, variant: str, dtype: torc
 
 def judge_bucketed_training(observations, world_size, bucket_cap_mb, variant="plain",
                             dtype_name="float32", seed=0, steps=3, judged="all"):
+    """The visible cases' judge: their bucket plans are written out (:data:`VISIBLE_PLANS`)."""
+    judge_training(written_out_plan, observations, world_size, bucket_cap_mb, variant,
+                   dtype_name, seed, steps, judged)
+
+
+def judge_training(planner: Planner, observations, world_size, bucket_cap_mb, variant="plain",
+                   dtype_name="float32", seed=0, steps=3, judged="all"):
+    """Every rank's record against one process, with the bucket plan ``planner`` gives for rank
+    0's model (the hidden checks pass the grader's reference planner)."""
     if judged not in JUDGED:
         raise ValueError(f"judged must be one of {JUDGED}, not {judged!r}")
     values = judged in ("values", "values and buckets", "all")
     dtype = DTYPES[dtype_name]
     what = f"{world_size} ranks, bucket_cap_mb={bucket_cap_mb:g}, {variant} model, {dtype_name}"
-    reference = one_process(world_size, bucket_cap_mb, variant, dtype, seed, steps)
+    reference = one_process(planner, world_size, bucket_cap_mb, variant, dtype, seed, steps)
     tolerance = TOLERANCES[dtype]
 
     def judge_rank(rank, observation):
@@ -494,11 +529,6 @@ def expect_same_weights(weights: dict, reference: dict[str, torch.Tensor], what:
     for name, expected in reference.items():
         expect_close(reported_tensor(weights[name], f"{what}, {name}"), expected,
                      f"{what}, {name} (vs one process)", rtol, atol)
-
-
-# A cap that the first bucket (out.bias, out.weight, mid2.bias, mid2.weight: 12 + 192 + 64 +
-# 1024 bytes) fills exactly: a bucket may hold the cap itself (``>``, not ``>=``).
-EXACT_CAP_MB = 1292 / MIB
 
 
 def check_bucketed_ddp_matches_one_process(BucketedDDP) -> None:
