@@ -4,30 +4,30 @@
                                [--student NAME ...] [--shard I/N]
 
 ``SUBMISSIONS`` is nbgrader's ``submitted/`` layout: ``SUBMISSIONS/{student}/{assignment}/*.ipynb``.
-Each student is graded by ``autograder/worker.py`` in its own process session, course directory
-and gradebook, so submissions run in parallel with nothing shared (the ranks of every test meet
-through private FileStores: no ports). A worker that passes ``--student-timeout`` is killed with
-everything it started; this process is a child subreaper, so even processes a kernel leaves behind
-come back to it and are killed. Results: ``OUT/grades.csv`` (nbgrader export's columns, then
-``status``, ``flags``, ``notes``, and each notebook's subtotal and test cells: see
+Each student is graded by ``autograder/worker.py`` in its own process session, course directory and
+gradebook, so submissions run in parallel with nothing shared (the ranks of every test meet through
+private FileStores: no ports). A worker that passes ``--student-timeout`` is killed with everything
+it started; this process is a child subreaper, so even processes a kernel leaves behind come back to
+it and are killed. Results: ``OUT/grades.csv`` (nbgrader export's columns, then ``status``,
+``flags``, ``notes``, and each notebook's subtotal and test cells: see
 ``autograder/gradesheet.py``), ``OUT/feedback/{student}/{assignment}/*.html`` (a page for every
 notebook of the assignment, handed in or not, each opening with the assignment's total),
-``OUT/work/``, ``OUT/summary.json``, ``OUT/gradebook.db`` (the course gradebook: nbgrader's own
-database, where ``nbgrader export``, formgrader and ``generate_feedback`` find every student's
-grades; autograder/nbgrader_config.py points nbgrader at ``autograder/course/gradebook.db``, the
-default OUT's), and a summary table on stdout.
+``OUT/autograded/{student}/{assignment}/`` (the graded notebooks, where formgrader opens them for
+manual grading), ``OUT/work/``, ``OUT/summary.json``, ``OUT/gradebook.db`` (the course gradebook:
+nbgrader's own database, where ``nbgrader export``, formgrader and ``generate_feedback`` find every
+student's grades; autograder/nbgrader_config.py points nbgrader at
+``autograder/course/gradebook.db``, the default OUT's), and a summary table on stdout.
 
-**Nothing is lost.** A run grades into folders of its own inside ``OUT`` (the sandbox hides
-``OUT`` from the students' kernels, these folders included) and touches ``OUT``'s results only
-once every submission is graded: then it replaces the feedback, log and work folder of each
-student it graded, records their submissions in the course gradebook in place of their old ones,
-and rewrites ``grades.csv`` and ``summary.json`` with their new rows and everyone else's rows as
-they were (``autograder/merge.py``'s :func:`update_output`). So
-``--student bob`` re-grades bob alone, and grading a few late submissions into the class's
-``OUT`` adds their rows. Every file is replaced by a rename, ``summary.json`` last; an
-interrupted run leaves ``OUT``'s results as they were. ``--shard I/N`` grades one shard of the
-class; ``python -m autograder merge`` joins the shards' outputs.
-"""
+**Nothing is lost.** A run grades into folders of its own inside ``OUT`` (the sandbox hides ``OUT``
+from the students' kernels, these folders included) and touches ``OUT``'s results only once every
+submission is graded: then it replaces the feedback, autograded notebooks, log and work folder of
+each student it graded, records their submissions in the course gradebook in place of their old
+ones, and rewrites ``grades.csv`` and ``summary.json`` with their new rows and everyone else's rows
+as they were (``autograder/merge.py``'s :func:`update_output`). So ``--student bob`` re-grades bob
+alone, and grading a few late submissions into the class's ``OUT`` adds their rows. Every file is
+replaced by a rename, ``summary.json`` last; an interrupted run leaves ``OUT``'s results as they
+were. ``--shard I/N`` grades one shard of the class; ``python -m autograder merge`` joins the
+shards' outputs. """
 
 from __future__ import annotations
 
@@ -427,7 +427,8 @@ def _timed_out_cells(notebook: Path) -> list[str]:
 
 def _stage(results: list[dict], assignment: str, staged: Path, workers: Path, out: Path) -> None:
     """This run's output in ``staged``, as merge.load reads it: feedback (with a page for every
-    notebook not handed in and the total atop every page), the workers' logs, grades.csv."""
+    notebook not handed in and the total atop every page), the workers' logs, the autograded
+    notebooks (nbgrader's ``autograded/{student}/{assignment}/``), grades.csv."""
     for result in results:
         student = result["student"]
         source = Path(result["feedback"])
@@ -452,6 +453,9 @@ def _stage(results: list[dict], assignment: str, staged: Path, workers: Path, ou
         if log.is_file():
             (staged / "work").mkdir(parents=True, exist_ok=True)
             shutil.copyfile(log, staged / "work" / log.name)
+        autograded = workers / student / "autograded" / student / assignment
+        if autograded.is_dir():  # where formgrader and nbgrader's generate_feedback read it
+            shutil.copytree(autograded, staged / "autograded" / student / assignment)
     _write_csv(results, assignment, staged, exports=workers)
     _record_gradebook(results, assignment, staged / GRADEBOOK, workers, out / GRADEBOOK)
 

@@ -12,17 +12,18 @@ student's shard when others join the class, but on a class of tens its shards ar
 binomial spread), and nothing needs that: each shard records the whole class it saw, and the
 merge refuses shards that saw different classes. ``--shard 1/1`` (the default) is a whole run.
 
-**The merge** gives what one run of the whole class gives: the same ``grades.csv`` (rows sorted
-by student, nbgrader export's columns, then status, flags, notes and every test cell, sorted),
-``feedback/{student}/{assignment}/`` for everyone, each worker's log ``work/{student}.log``, and
-a ``summary.json`` whose results are the single run's (their ``seconds`` are each student's own
-grading time); its run-level ``jobs`` and ``seconds`` add up and take the longest of the shards,
-and ``merged_from`` says where each part came from. It refuses, before writing anything, outputs
-for different assignments, a student in two outputs, a shard that is missing, doubled or saw
-another class, and a folder that is not a finished grading output. The outputs merged need not
-be shards: any grading outputs of one assignment with no student in common merge the same way.
-Each kind of result is merged by a step of its own (:data:`MERGE_STEPS`), the course gradebook
-(``gradebook.db``, nbgrader's database) included: the merged one holds every part's submissions.
+**The merge** gives what one run of the whole class gives: the same ``grades.csv`` (rows sorted by
+student, nbgrader export's columns, then status, flags, notes and every test cell, sorted),
+``feedback/{student}/{assignment}/`` and ``autograded/{student}/{assignment}/`` for everyone, each
+worker's log ``work/{student}.log``, and a ``summary.json`` whose results are the single run's
+(their ``seconds`` are each student's own grading time); its run-level ``jobs`` and ``seconds`` add
+up and take the longest of the shards, and ``merged_from`` says where each part came from. It
+refuses, before writing anything, outputs for different assignments, a student in two outputs, a
+shard that is missing, doubled or saw another class, and a folder that is not a finished grading
+output. The outputs merged need not be shards: any grading outputs of one assignment with no student
+in common merge the same way. Each kind of result is merged by a step of its own
+(:data:`MERGE_STEPS`), the course gradebook (``gradebook.db``, nbgrader's database) included: the
+merged one holds every part's submissions.
 
 **The update** (:func:`update_output`) is how ``grade`` writes its results into ``OUT``, and the
 one place where a student already in ``OUT`` is replaced rather than refused: the run's output
@@ -238,15 +239,16 @@ def merge_csv(parts: list[GradingOutput], out: Path, roster_from: Path | None = 
 
 
 def merge_feedback(parts: list[GradingOutput], out: Path) -> None:
-    """Copy each student's feedback folder (and their worker's log), replacing an older one."""
+    """Copy each student's feedback folder, autograded notebooks and worker's log, replacing
+    older ones."""
     for part in parts:
         for student in part.students:
-            relative = Path("feedback") / student / part.assignment
-            target = out / relative
-            if target.exists():
-                shutil.rmtree(target)
-            if (part.path / relative).is_dir():
-                shutil.copytree(part.path / relative, target)
+            for relative in _student_folders(student, part.assignment):
+                target = out / relative
+                if target.exists():
+                    shutil.rmtree(target)
+                if (part.path / relative).is_dir():
+                    shutil.copytree(part.path / relative, target)
             log = part.path / "work" / f"{student}.log"
             if log.is_file():
                 (out / "work").mkdir(parents=True, exist_ok=True)
@@ -347,11 +349,20 @@ def _without(part: GradingOutput, students: set[str]) -> GradingOutput:
     return dataclasses.replace(part, summary=summary, rows=rows)
 
 
-def _replace_folder(source: Path, target: Path, scratch: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+def _student_folders(student: str, assignment: str) -> list[Path]:
+    """A student's folders in a grading output: feedback pages, and the autograded notebooks
+    where nbgrader's formgrader and generate_feedback look for them."""
+    return [Path(kind) / student / assignment for kind in ("feedback", "autograded")]
+
+
+def _replace_folder(staged: Path, out: Path, relative: Path, scratch: Path) -> None:
+    """``out / relative`` becomes ``staged / relative`` (none, where the run has none)."""
+    target = out / relative
     if target.exists():
-        target.rename(scratch / f".old-{target.parent.name}-{target.name}")
-    source.rename(target)
+        target.rename(scratch / "-".join(relative.parts))
+    if (staged / relative).is_dir():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (staged / relative).rename(target)
 
 
 def update_output(out: Path, staged: Path) -> dict:
@@ -370,9 +381,8 @@ def update_output(out: Path, staged: Path) -> dict:
     scratch = staged / ".replaced"
     scratch.mkdir()
     for student in new.students:
-        relative = Path("feedback") / student / new.assignment
-        if (staged / relative).is_dir():
-            _replace_folder(staged / relative, out / relative, scratch)
+        for relative in _student_folders(student, new.assignment):
+            _replace_folder(staged, out, relative, scratch)
         log = Path("work") / f"{student}.log"
         if (staged / log).is_file():
             (out / "work").mkdir(parents=True, exist_ok=True)

@@ -187,15 +187,6 @@ def test_the_summary_table_lists_everyone(graded):
     assert f"{len(EXPECTED)} submissions in" in stdout
 
 
-def test_grading_the_same_submissions_again_gives_the_same_scores(graded, tmp_path):
-    rows = graded[0]
-    root = write_class(tmp_path, ["bob"])
-    again, _, _ = grade(root, tmp_path / "out", jobs=1)
-    for student in ("bob",):
-        assert again[student]["score"] == rows[student]["score"]
-        assert all(again[student][c] == rows[student][c] for c in AVERAGE_CELLS + RING_CELLS)
-
-
 # --- hostile submissions (tests/fake_class/hostile.py) -------------------------------------------
 
 HOSTILE = ["kenji", "wanda", "fiona", "threader"]

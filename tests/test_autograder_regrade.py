@@ -52,9 +52,9 @@ def csv_lines(path: Path) -> dict[str, bytes]:
 
 
 def files_of(out: Path, student: str) -> dict[str, bytes]:
-    """Every file of a student's feedback, and their log."""
-    files = {str(p.relative_to(out)): p.read_bytes()
-             for p in sorted((out / "feedback" / student).rglob("*")) if p.is_file()}
+    """Every file of a student's feedback and autograded notebooks, and their log."""
+    files = {str(p.relative_to(out)): p.read_bytes() for kind in ("feedback", "autograded")
+             for p in sorted((out / kind / student).rglob("*")) if p.is_file()}
     files["log"] = (out / "work" / f"{student}.log").read_bytes()
     return files
 
@@ -397,6 +397,8 @@ def test_the_regraded_student_is_updated(regraded):
     page = now[f"feedback/bob/{ASSIGNMENT}/allreduce_by_hand.html"].decode()
     assert f"{ASSIGNMENT}: 13 of 26 points" in page
     assert (out / "work/bob/autograded/bob" / ASSIGNMENT / "allreduce_by_hand.ipynb").exists()
+    assert now[f"autograded/bob/{ASSIGNMENT}/allreduce_by_hand.ipynb"] != first["bob"][
+        f"autograded/bob/{ASSIGNMENT}/allreduce_by_hand.ipynb"]  # where formgrader opens it
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 

@@ -103,7 +103,8 @@ def test_the_merged_csv_is_the_single_runs(runs):
     whole_header, whole_rows = read_csv(outs["whole"] / "grades.csv")
     assert header == whole_header
     assert [r["student_id"] for r in rows] == STUDENTS
-    assert rows == whole_rows  # scores, statuses, flags, notes and every cell
+    # scores, statuses, flags, notes and every cell: separate runs grade the same submissions alike
+    assert rows == whole_rows
     assert {r["student_id"]: (float(r["score"]), r["status"]) for r in rows} == {
         s: (float(EXPECTED[s][0]), EXPECTED[s][1]) for s in STUDENTS}
     assert rows[0]["flags"] and "tampering" in rows[0]["notes"]
@@ -377,3 +378,17 @@ def test_an_array_with_gaps_is_refused(tmp_path):
                            "05_allreduce", str(tmp_path / "out")], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "consecutive" in done.stderr
+
+
+def test_everyone_has_the_autograded_notebooks_of_the_single_run(runs):
+    """Where formgrader opens them: ``autograded/{student}/{assignment}/``, the shard's own files."""
+    outs, merged, _ = runs
+
+    def notebooks(out):
+        return sorted(str(p.relative_to(out)) for p in (out / "autograded").rglob("*.ipynb"))
+
+    assert notebooks(merged) == notebooks(outs["whole"])
+    assert {Path(path).parts[1] for path in notebooks(merged)} == set(STUDENTS)
+    for path in notebooks(merged):
+        shard = outs["1/2"] if "mallory" in path else outs["2/2"]
+        assert (merged / path).read_bytes() == (shard / path).read_bytes()

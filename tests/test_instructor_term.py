@@ -131,3 +131,26 @@ def test_each_student_fetched_only_their_own_feedback_with_the_total(term):
         assert re.search(rf"{ASSIGNMENT}: [\d.]+ of 7 points", text), student
     bob = next((homes["bob"] / ASSIGNMENT / "feedback").glob("*/*.html")).read_text()
     assert "the idea is right; checked by hand" in bob
+
+
+def test_formgrader_lists_every_submission_as_autograded_with_the_csvs_scores(term):
+    """What formgrader's pages read (nbgrader's NbGraderAPI with the course's configuration): both
+    students autograded, not waiting for autograding, with grades.csv's scores, and each graded
+    notebook where formgrader's manual grading opens it."""
+    from nbgrader.apps import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+    from traitlets.config.loader import PyFileConfigLoader
+
+    course, _, _ = term
+    config = PyFileConfigLoader("nbgrader_config.py", path=str(course / "autograder")).load_config()
+    api = NbGraderAPI(coursedir=CourseDirectory(config=config), config=config)
+    rows = read_rows(course / "autograder/course/grades.csv")
+    submissions = {s["student"]: s for s in api.get_submissions(ASSIGNMENT)}
+    assert sorted(submissions) == ["alice", "bob"]
+    for student, submission in submissions.items():
+        assert submission["autograded"] and not submission["needs_manual_grade"], submission
+        assert submission["score"] == pytest.approx(float(rows[student]["raw_score"]))
+    for notebook in api.get_notebook_submissions(ASSIGNMENT, SLUG):
+        folder = api.coursedir.format_path(api.coursedir.autograded_directory,
+                                           notebook["student"], ASSIGNMENT)
+        assert (Path(folder) / f"{SLUG}.ipynb").is_file(), notebook["student"]
