@@ -177,6 +177,10 @@ def test_feedback_shows_the_total_every_notebook_and_a_page_for_the_missing_one(
 def test_regrading_one_student_keeps_everyone_elses_results_byte_for_byte(small_class,
                                                                           monkeypatch, capsys):
     root, out = small_class
+    for student in ("ann", "ben"):  # as an earlier run left them (these workers write none)
+        earlier = out / "autograded" / student / ASSIGNMENT
+        earlier.mkdir(parents=True)
+        (earlier / "allreduce_by_hand.ipynb").write_text(f"{student}'s earlier notebook")
     before_csv, before_ann = csv_lines(out / "grades.csv"), files_of(out, "ann")
     before = json.loads((out / "summary.json").read_text())
     submit(root, "ben")  # ben hands in his second notebook late
@@ -192,6 +196,7 @@ def test_regrading_one_student_keeps_everyone_elses_results_byte_for_byte(small_
     assert (rows["ben"]["score"], rows["ben"]["bucketed_ddp (13)"], rows["ben"]["notes"]) == (
         "5", "3", f"not notebooks of {ASSIGNMENT}, not graded: draft.ipynb")
     assert files_of(out, "ben")["log"] == b"graded ben: 5"
+    assert not (out / "autograded/ben" / ASSIGNMENT).exists()  # none from this run: none kept
     summary = json.loads((out / "summary.json").read_text())
     assert [r["student"] for r in summary["results"]] == ["ann", "ben"]
     assert summary["results"][0] == before["results"][0] and summary["regraded"] == ["ben"]
