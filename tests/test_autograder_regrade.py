@@ -2,10 +2,11 @@
 in OUT and leaves everyone else's byte for byte; a notebook not handed in is visible in the CSV
 and in feedback; the CSV's columns follow the assignment's notebooks, with their maximums.
 
-One real grading costs about half a minute per submission here, so the end-to-end test grades two
-of the fake class's students (tests/fake_class) and then re-grades one of them: two grading
-commands. Everything else runs grade.py's own planning, staging, CSV and feedback writers and the
-update, with a stand-in for the workers (``_grade_all``), without grading.
+One real grading costs about half a minute per submission here, so the end-to-end test grades two of
+the fake class's students (tests/fake_class), then re-grades one of them beside a late student whose
+tamper flag was cleared: two grading commands. Everything else runs grade.py's own planning,
+staging, CSV and feedback writers and the update, with a stand-in for the workers (``_grade_all``),
+without grading.
 """
 
 from __future__ import annotations
@@ -304,9 +305,15 @@ def import_roster(out: Path, roster: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+# A right notebook with one harmless eval: the static scan flags it (eval is never needed).
+PEGGY = build(CORRECT, extra_after={"ring-allreduce": "print(eval('6 * 7'))"})
+CLEARED = "student,reason\npeggy,eval of a constant: harmless\n"
+
+
 @pytest.fixture(scope="module")
 def regraded(tmp_path_factory):
-    """The two graded at once, oscar late; then bob fixes his notebook and is re-graded alone."""
+    """The two graded at once, oscar late; then bob fixes his notebook and is re-graded, beside
+    peggy, who hands in late and whose tamper flag the instructor cleared ahead of grading."""
     root = write_class(tmp_path_factory.mktemp("class"), STUDENTS)
     out = root / "out"
     set_due_date(out)
@@ -320,7 +327,10 @@ def regraded(tmp_path_factory):
              "log inodes": {student: log_inode(out, student) for student in STUDENTS},
              "gradebook": gradebook_submissions(out, ASSIGNMENT)}
     nbformat.write(build(CORRECT), root / "submitted/bob" / ASSIGNMENT / "allreduce_by_hand.ipynb")
-    stdout = grade(root, out, "--student", "bob", "--jobs", "1")
+    (root / "submitted/peggy" / ASSIGNMENT).mkdir(parents=True)
+    nbformat.write(PEGGY, root / "submitted/peggy" / ASSIGNMENT / "allreduce_by_hand.ipynb")
+    (out / "cleared_flags.csv").write_text(CLEARED)
+    stdout = grade(root, out, "--student", "bob", "--student", "peggy", "--jobs", "2")
     return first, out, stdout
 
 
@@ -385,8 +395,8 @@ def test_regrading_one_student_leaves_the_other_byte_for_byte(regraded):
     assert log_inode(out, "oscar") == first["log inodes"]["oscar"]  # not even rewritten
     summary = json.loads((out / "summary.json").read_text())
     assert summary["results"][1] == first["summary"]["results"][1]  # oscar's, unchanged
-    assert summary["regraded"] == ["bob"] and summary["submissions"] == 2
-    assert "1 submissions in" in stdout
+    assert summary["regraded"] == ["bob", "peggy"] and summary["submissions"] == 3
+    assert "2 submissions in" in stdout
     assert "rows of the 1 not graded in this run are kept" in stdout
 
 
@@ -514,19 +524,10 @@ def test_a_wrong_override_is_refused_and_changes_nothing(regraded, tmp_path):
 
 # --- a tamper flag that the instructor reviewed and cleared --------------------------------------
 
-# A right notebook with one harmless eval: the static scan flags it (eval is never needed).
-PEGGY = build(CORRECT, extra_after={"ring-allreduce": "print(eval('6 * 7'))"})
-CLEARED = "student,reason\npeggy,eval of a constant: harmless\n"
 
 
-def test_a_cleared_tamper_flag_scores_the_submission_as_its_tests_say(tmp_path):
-    root, out = tmp_path, tmp_path / "out"
-    folder = root / "submitted/peggy" / ASSIGNMENT
-    folder.mkdir(parents=True)
-    nbformat.write(PEGGY, folder / "allreduce_by_hand.ipynb")
-    out.mkdir()
-    (out / "cleared_flags.csv").write_text(CLEARED)
-    grade(root, out)
+def test_a_cleared_tamper_flag_scores_the_submission_as_its_tests_say(regraded):
+    _, out, _ = regraded
     peggy = read_csv(out / "grades.csv")[1]["peggy"]
     assert (peggy["status"], float(peggy["score"])) == ("graded", 13.0), peggy
     assert "eval" in peggy["flags"]  # the scan's findings stay on record

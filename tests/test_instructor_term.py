@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -79,11 +80,14 @@ def term(tmp_path_factory):
     homes = {student: base / "home" / student for student in ("alice", "bob")}
     outputs = []
     for step in steps:
-        if step.startswith(STUDENT_MARK):
-            for student, home in homes.items():
+        if step.startswith(STUDENT_MARK):  # the students at once, each in their own account
+            for home in homes.values():
                 home.mkdir(parents=True, exist_ok=True)
-                outputs.append(run_block(as_student(step, student), settings, home,
-                                         dict(env, HOME=str(home))))
+            with ThreadPoolExecutor(len(homes)) as students:
+                outputs += students.map(
+                    lambda student, home: run_block(as_student(step, student), settings, home,
+                                                    dict(env, HOME=str(home))),
+                    homes, homes.values())
             if "fetch_assignment" in step:
                 fetched = homes["alice"] / ASSIGNMENT / f"{SLUG}.ipynb"
                 nbformat.write(solved(fetched), fetched)  # answered as the source answers
