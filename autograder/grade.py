@@ -27,7 +27,8 @@ as they were (``autograder/merge.py``'s :func:`update_output`). So ``--student b
 alone, and grading a few late submissions into the class's ``OUT`` adds their rows. Every file is
 replaced by a rename, ``summary.json`` last; an interrupted run leaves ``OUT``'s results as they
 were. ``--shard I/N`` grades one shard of the class; ``python -m autograder merge`` joins the
-shards' outputs. """
+shards' outputs.
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 BROWSERS = ("chromium", "chromium-browser")
 MEASURE = """<script>
 window.addEventListener("load", () => {
@@ -39,6 +41,11 @@ window.addEventListener("load", () => {
 def browser() -> str | None:
     """The Chromium on this machine, or None."""
     return next((found for name in BROWSERS if (found := shutil.which(name))), None)
+
+
+needs_chromium = pytest.mark.skipif(
+    browser() is None, reason="needs Debian's chromium (apt-get install chromium): the feedback "
+                              "pages are laid out in a real browser")
 
 
 def _chromium(*args: str) -> str:

@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 import chromium_page
-import pytest
 
 from autograder.notices import hide_machine_paths, make_readable, write_notice
 
@@ -51,8 +50,7 @@ def test_make_readable_leaves_no_path_of_the_machine(tmp_path):
         assert where + "/" not in text, where
 
 
-@pytest.mark.skipif(chromium_page.browser() is None,
-                    reason="needs Debian's chromium (apt-get install chromium)")
+@chromium_page.needs_chromium
 def test_a_notice_with_long_lines_fits_a_1280_pixel_window_in_chromium(tmp_path):
     """A timed-out or crashed worker's notice quotes its log: a line with no space in it (a long
     tensor, a path) wraps instead of widening the page."""

@@ -363,9 +363,7 @@ def test_feedback_wraps_its_output_and_names_every_graded_cell(regraded):
         assert f'<a href="#{grade_id}">{grade_id}</a> (test cell)' in page
 
 
-@pytest.mark.skipif(chromium_page.browser() is None,
-                    reason="needs Debian's chromium (apt-get install chromium): the feedback "
-                           "pages are laid out in a real browser")
+@chromium_page.needs_chromium
 def test_every_feedback_page_fits_a_1280_pixel_window_in_chromium(regraded, tmp_path):
     """Each page of both students (failures with long lines, a notebook not handed in, a full
     score) in Chromium, 1280 pixels wide: no element runs off the window or scrolls sideways.
