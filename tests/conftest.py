@@ -14,6 +14,7 @@ from course_layout import CHAPTER_NUMBERS, chapter_of
 
 from ddpcourse.launcher import prestart, rank_server_pids
 from ddpcourse.launcher.processes import live_descendants
+import suite_profile
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -25,6 +26,7 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_configure(config):
+    suite_profile.register(config)  # where the time goes: build/suite_profile/last/
     for number in CHAPTER_NUMBERS:
         config.addinivalue_line("markers", f"ch{number}: a test of chapter {number}")
 
