@@ -50,35 +50,56 @@ CATEGORIES = ("grading", "notebook", "torchrun", "ranks")  # outermost first
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+RESULTS = ROOT / "benchmarks" / "results"
+# the committed profiles, the one to trust first
+COMMITTED = (RESULTS / "suite_profile_after.json", RESULTS / "suite_profile_before.json")
+
+
+def recorded_file_seconds() -> dict[str, float]:
+    """Wall seconds per test file (``tests/test_x.py``) in the newest committed profile; empty
+    if there is none."""
+    for path in COMMITTED:
+        if path.exists():
+            return {entry["file"]: entry["wall_s"] for entry in json.loads(path.read_text())["files"]}
+    return {}
+
+
 def enabled() -> bool:
     return os.environ.get("DDPCOURSE_SUITE_PROFILE", "1") != "0"
 
 
+def _children(pid: int) -> list[int]:
+    """The children of ``pid`` (every thread's), from /proc/PID/task/TID/children."""
+    found: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.extend(int(c) for c in f.read().split())
+    except OSError:
+        pass  # gone meanwhile
+    return found
+
+
+def _stat_ticks(pid: int) -> int:
+    """utime + stime + cutime + cstime of ``pid`` (stat fields 14-17), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return 0
+    fields = text[text.rindex(b")") + 2:].split()  # fields[0] is stat field 3
+    return sum(int(v) for v in fields[11:15])
+
+
 def _descendant_cpu_s() -> float:
     """User + system seconds (own and reaped children's) of every descendant of this process
-    still in the process table, zombies included (their time is not yet in RUSAGE_CHILDREN)."""
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                text = f.read()
-        except OSError:
-            continue
-        fields = text[text.rindex(b")") + 2:].split()
-        # fields[0] is the state (stat field 3): field n is fields[n - 3]
-        parents[int(entry)] = int(fields[1])
-        ticks[int(entry)] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-    children: dict[int, list[int]] = {}
-    for pid, parent in parents.items():
-        children.setdefault(parent, []).append(pid)
-    total, stack = 0, list(children.get(os.getpid(), ()))
+    still in the process table, zombies included (their time is not yet in RUSAGE_CHILDREN).
+    Walks the tree from this process down (a few files per test, not the whole of /proc)."""
+    total, stack = 0, _children(os.getpid())
     while stack:
         pid = stack.pop()
-        total += ticks[pid]
-        stack.extend(children.get(pid, ()))
+        total += _stat_ticks(pid)
+        stack.extend(_children(pid))
     return total / _CLOCK_TICKS
 
 
