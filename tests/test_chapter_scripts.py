@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -22,7 +23,9 @@ def launch_command(script: Path) -> str:
     return next(line.strip() for line in doc.splitlines() if line.startswith("    torchrun "))
 
 
+@functools.cache
 def run_as_documented(script: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """One launch per script and run: the tests that read the same launch share it."""
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return subprocess.run(launch_command(script), shell=True, cwd=ROOT, env=env,
