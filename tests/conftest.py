@@ -2,27 +2,29 @@
 integrity snapshot the grading tests take as an exercise's locked setup cell does.
 
 Every test of a chapter's lesson, scripts, exercises or grading is marked with its chapter, so
-``pytest -m ch05`` runs chapter 05 alone (see :func:`course_layout.chapter_of`)."""
+``pytest -m ch05`` runs chapter 05 alone (see :func:`course_layout.chapter_of`); every test that
+needs a CUDA GPU is marked ``gpu``, so ``pytest -m gpu`` runs them all on a GPU machine.
+
+The suite records where its time goes (``tests/suite_profile.py``) and uses the committed record
+to start the longest test files first (``benchmarks/results/suite_profile_*.json``)."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
+import suite_plan
+import suite_profile
 from course_layout import CHAPTER_NUMBERS, chapter_of
 
 from ddpcourse.launcher import prestart, rank_server_pids
 from ddpcourse.launcher.processes import live_descendants
-import suite_profile
 
 
 def pytest_xdist_auto_num_workers(config):
     """What ``-n auto`` (pyproject's addopts) means for the repository's tests: two test
-    processes. Most tests wait on ranks, kernels and launchers, so two overlap well even on 2
-    cores; more would start more rank servers than a small machine holds.
-    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides where it is set."""
-    return int(os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "2"))
+    processes on a small machine, more on a larger one (:func:`suite_plan.auto_workers`)."""
+    return suite_plan.this_machines_workers()
 
 
 def pytest_configure(config):
@@ -31,11 +33,14 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"ch{number}: a test of chapter {number}")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     for item in items:
         number = chapter_of(item.nodeid)
         if number:
             item.add_marker(f"ch{number}")
+        if suite_plan.needs_a_gpu(item):
+            item.add_marker("gpu")
+    items[:] = suite_plan.longest_files_first(items)
 
 
 def pytest_sessionstart(session):

@@ -95,3 +95,31 @@ def test_every_chapter_script_starts_with_its_launch_command(script):
 def test_each_chapters_tests_carry_its_marker(nodeid, chapter):
     """`pytest -m ch05` (CONTRIBUTING.md) selects by these."""
     assert chapter_of(nodeid) == chapter
+
+
+@pytest.mark.parametrize("cores, memory_gib, workers", [
+    (1, 4, 2), (2, 8, 2), (4, 16, 2),  # small machines: two, as the suite has always used
+    (8, 32, 4), (16, 128, 8), (64, 512, 8),  # one per two cores, at most eight
+    (16, 7, 2),  # memory decides: three GiB each
+])
+def test_auto_starts_more_test_processes_on_larger_machines(cores, memory_gib, workers):
+    from suite_plan import auto_workers
+
+    assert auto_workers(cores, memory_gib) == workers
+
+
+@pytest.mark.parametrize("reason, gpu", [
+    ("needs >= 2 CUDA GPUs, found 1", True),
+    ("needs 2 CUDA GPUs and NCCL; runs only on a GPU machine", True),
+    ("SyncBatchNorm needs NCCL, one GPU per rank: 0 GPU(s)", True),
+    ("the GPU-only failures need at least one CUDA GPU, found 0", True),
+    ("checks the CPU-only path", False),
+    ("DataParallel only falls back to the module without GPUs", False),
+    ("this machine has the GPUs: the real runs below", False),
+    ("checks the CPU fallback; this machine has GPUs", False),
+])
+def test_a_skip_for_want_of_a_gpu_is_what_the_gpu_marker_follows(reason, gpu):
+    """`pytest -m gpu` (README) runs every test whose skip reason says it needs a GPU."""
+    from suite_plan import NEEDS_A_GPU
+
+    assert bool(NEEDS_A_GPU.search(reason)) == gpu
