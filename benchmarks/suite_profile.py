@@ -61,12 +61,27 @@ def profile(run: dict, tests: list[dict], sessions: list[dict]) -> dict:
                        "cpu_s": round(e["cpu_s"], 1), "workers": sorted(e["worker"])}
                       for name, e in files.items()), key=lambda e: -e["wall_s"])
     slowest = sorted(tests, key=lambda t: -t["wall_s"])[:30]
+    workers: dict[str, dict] = {}
+    for test in tests:
+        entry = workers.setdefault(test["worker"], {"tests": 0, "first_test_at_s": test["start"],
+                                                    "last_test_done_at_s": 0.0, "busy_s": 0.0})
+        entry["tests"] += 1
+        entry["first_test_at_s"] = min(entry["first_test_at_s"], test["start"])
+        entry["last_test_done_at_s"] = max(entry["last_test_done_at_s"],
+                                           test["start"] + test["wall_s"])
+        entry["busy_s"] += test["wall_s"]
+    for entry in workers.values():
+        for key in ("first_test_at_s", "last_test_done_at_s", "busy_s"):
+            entry[key] = round(entry[key], 1)
     outcomes: dict[str, int] = defaultdict(int)
     for test in tests:
         outcomes[test["outcome"]] += 1
     return {
         "run": run,
         "processes": sessions,
+        # per test process: when its first test started (start-up and collection before it),
+        # when its last test ended (a process that ends early idles while the others finish)
+        "workers": workers,
         "tests": len(tests),
         "outcomes": dict(outcomes),
         "sum_of_test_wall_s": round(sum(t["wall_s"] for t in tests), 1),
@@ -87,6 +102,9 @@ def summary(result: dict) -> str:
     if "cpu_total_s" in run:
         lines.append(f"CPU of the whole run (user+sys of pytest and everything it reaped): "
                      f"{run['cpu_total_s']} s")
+    for name, worker in sorted(result["workers"].items()):
+        lines.append(f"  {name}: {worker['tests']} tests, first at {worker['first_test_at_s']} s "
+                     f"(start-up and collection), last done at {worker['last_test_done_at_s']} s")
     lines.append("\nWall seconds by category (summed over tests):")
     total = sum(result["categories_wall_s"].values()) or 1.0
     for category, seconds in result["categories_wall_s"].items():
