@@ -123,3 +123,20 @@ def test_a_skip_for_want_of_a_gpu_is_what_the_gpu_marker_follows(reason, gpu):
     from suite_plan import NEEDS_A_GPU
 
     assert bool(NEEDS_A_GPU.search(reason)) == gpu
+
+
+def test_the_files_start_longest_first_as_the_committed_profile_has_them(monkeypatch):
+    """With --no-loadscope-reorder (pyproject.toml) the workers take files in this order; a file
+    the profile has not seen yet starts first (it may be long); a file's own order is kept."""
+    from types import SimpleNamespace
+
+    import suite_plan
+    import suite_profile
+
+    monkeypatch.setattr(suite_profile, "recorded_file_seconds",
+                        lambda: {"tests/test_a.py": 10.0, "tests/test_b.py": 300.0})
+    items = [SimpleNamespace(nodeid=n) for n in
+             ["tests/test_a.py::x", "tests/test_b.py::y", "tests/test_a.py::z", "tests/test_new.py::w"]]
+    assert [i.nodeid for i in suite_plan.longest_files_first(items)] == [
+        "tests/test_new.py::w", "tests/test_b.py::y", "tests/test_a.py::x", "tests/test_a.py::z"]
+    assert "--no-loadscope-reorder" in PYPROJECT["tool"]["pytest"]["ini_options"]["addopts"]
