@@ -113,9 +113,9 @@ conf=$dir/etc/slurm.conf
 chmod 644 "$conf"
 export SLURM_CONF=$conf
 
-started=false
+up=no
 cleanup_on_failure() {
-    if [[ $started != done ]]; then
+    if [[ $up != yes ]]; then
         echo "start_local_cluster: bring-up failed; the logs:" >&2
         tail -n 20 "$dir"/log/* >&2 2>/dev/null || true
         "$here/stop_local_cluster.sh" "$dir" >&2 || true
@@ -138,11 +138,11 @@ done
 for ((try = 0; try < 120; try++)); do
     states=$(sinfo -h -N -o '%N %T' 2>/dev/null | sort -u || true)
     if [[ -n $states ]] && (( $(grep -c ' idle$' <<<"$states") == nodes )); then
-        started=done
+        up=yes
         break
     fi
     sleep 0.25
 done
-[[ $started == done ]] || die "the nodes did not come up within 30 s: ${states:-no answer from slurmctld}"
+[[ $up == yes ]] || die "the nodes did not come up within 30 s: ${states:-no answer from slurmctld}"
 echo "cluster up in $dir ($(sinfo -V)): nodes ${names[*]}, $cpus CPUs each, controller port ${ports[0]}"
 echo "export SLURM_CONF=$conf"
