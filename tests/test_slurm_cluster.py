@@ -10,7 +10,7 @@ checks that no process of it is left: every process of a cluster, from munged to
 workers, carries that cluster's ``SLURM_CONF`` in its environment, which is how they are found.
 
 The jobs are kept small: the torchrun jobs train a tiny model on 2 nodes x 2 workers; the graded
-class is three students of ``00_setup`` (the cheapest assignment to grade), built from the
+class is three students of ``00_setup`` (one notebook of 7 points), built from the
 committed release and solution notebooks.
 """
 
