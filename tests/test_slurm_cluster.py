@@ -9,9 +9,9 @@ every test here is skipped, with the reason. One cluster serves the module; it i
 checks that no process of it is left: every process of a cluster, from munged to a job's
 workers, carries that cluster's ``SLURM_CONF`` in its environment, which is how they are found.
 
-The jobs are kept small: the torchrun jobs train a tiny model on 2 nodes x 2 workers; the graded
-class is three students of ``00_setup`` (one notebook of 7 points), built from the
-committed release and solution notebooks.
+The jobs are kept small: the torchrun jobs run 2 nodes x 2 workers (an all-reduce of the ranks,
+and chapter 01's training of a tiny model); the graded class is three students of ``00_setup``
+(one notebook of 7 points), built from the committed release and solution notebooks.
 """
 
 from __future__ import annotations
