@@ -443,8 +443,10 @@ for mode in ("c10d", "static"):
     print(f"RDZV_MODE={mode} (exit {code_}):\n" + "\n".join(sorted(out.splitlines())) + "\n")
 
 # %% [markdown]
-# `tests/test_chapter_03_torchrun.py` also runs the batch file with the *real* torchrun behind
-# the fake srun, and both "nodes" form one group.
+# The stand-ins show the flags; `tests/test_slurm_cluster.py` runs the batch file on a real SLURM
+# cluster of two nodes (the throwaway one of `slurm/start_local_cluster.sh`, which you can start
+# on a laptop or VM too: `slurm/README.md`), in both forms, 2 workers per node: the four ranks
+# form one group, and chapter 01's training prints the same figures as on one node.
 #
 # Inside the workers, read `RANK`, `LOCAL_RANK`, `WORLD_SIZE` from torchrun, never `SLURM_PROCID`:
 # with one task per node, `SLURM_PROCID` is the node's index, the same for every worker on it
