@@ -70,7 +70,7 @@ def run_tests(ids: list[str], timeout: float) -> dict[str, tuple[str, str]]:
         report = Path(tmp) / "report.xml"
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                    f"--junitxml={report}", *ids]
-        print("$", " ".join(command[1:3] + ids[:1]), f"... ({len(ids)} tests)", flush=True)
+        print("$ python -m pytest", ids[0], f"... ({len(ids)} tests named by the page)", flush=True)
         try:
             done = subprocess.run(command, cwd=ROOT, timeout=timeout, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
