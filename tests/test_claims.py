@@ -114,6 +114,14 @@ def test_a_bad_row_is_reported(name):
     assert problems(claims_of({**GOOD_ROW, **BAD_ROWS[name]})) != []
 
 
+def test_the_students_copy_without_tests_checks_everything_else(tmp_path):
+    """The students' copy of the course has chapters/ and ddpcourse/ but no tests/: the page's
+    data then has no problem, and a missing script is still one."""
+    (tmp_path / "chapters").symlink_to(ROOT / "chapters")
+    assert problems(CLAIMS, root=tmp_path) == []
+    assert problems(claims_of({**GOOD_ROW, **BAD_ROWS["a missing script"]}), root=tmp_path) != []
+
+
 def test_a_duplicate_id_is_reported():
     assert problems(claims_of(GOOD_ROW, GOOD_ROW)) == ["claim 'x': the id is used twice"]
 
