@@ -20,7 +20,7 @@ import pytest
 from course_layout import TESTED_TORCH
 
 from ddpcourse.claims import PAGE, Claims, load, parse, problems, render
-from ddpcourse.claims.__main__ import HELD, FAILED, SKIPPED, junit_outcomes, row_result
+from ddpcourse.claims.__main__ import ERROR, FAILED, HELD, SKIPPED, junit_outcomes, row_result
 from ddpcourse.claims.experiments import CHECKS, NeedsHardware
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,6 +134,9 @@ REPORT = textwrap.dedent("""\
       <testcase classname="tests.test_a" name="test_p[2]"><failure message="boom"/></testcase>
       <testcase classname="tests.test_a" name="test_q"><skipped message="needs a GPU"/></testcase>
       <testcase classname="tests.test_a" name="test_r"/>
+      <testcase classname="tests.test_a" name="test_s"><error message="fixture broke"/></testcase>
+      <testcase classname="tests.test_a" name="test_t">
+        <failure message="RankTimeoutError: rank(s) [1] did not finish within 60 s"/></testcase>
     </testsuite></testsuites>""")
 
 
@@ -142,12 +145,16 @@ def test_a_pytest_report_gives_each_named_test_its_outcome():
     assert outcomes["tests/test_a.py::test_p"] == [(HELD, ""), (FAILED, "boom")]
     assert outcomes["tests/test_a.py::test_p[1]"] == [(HELD, "")]
     assert outcomes["tests/test_a.py::test_q"] == [(SKIPPED, "needs a GPU")]
+    assert outcomes["tests/test_a.py::test_s"] == [(ERROR, "fixture broke")]
+    assert outcomes["tests/test_a.py::test_t"][0][0] == ERROR  # a deadline is no verdict
     row = parse({"torch": "x", "sections": {"1": "s"}, "claims": [
         {**GOOD_ROW, "experiment": {"tests": ["tests/test_a.py::test_q", "tests/test_a.py::test_r"],
                                     "check": "c"}}]}).claims[0]
     tests = {"tests/test_a.py::test_q": (SKIPPED, "needs a GPU"), "tests/test_a.py::test_r": (HELD, "")}
     assert row_result(row, {"c": (HELD, "seen")}, tests)[0] == HELD
     assert row_result(row, {"c": (FAILED, "not seen")}, tests) == (FAILED, "not seen")
+    assert row_result(row, {"c": (HELD, "seen")},
+                      {**tests, "tests/test_a.py::test_r": (ERROR, "deadline")}) == (ERROR, "deadline")
     assert row_result(row, {"c": (SKIPPED, "needs a GPU")},
                       {"tests/test_a.py::test_q": (SKIPPED, "needs a GPU")}) == (SKIPPED, "needs a GPU")
 
