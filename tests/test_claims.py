@@ -79,7 +79,8 @@ def test_every_experiment_is_named_by_a_row():
 
 GOOD_ROW = {"id": "x", "section": "1", "claim": "c", "verdict": "false", "correct": "k",
             "evidence": ["torch/distributed/run.py::get_args_parser"],
-            "experiment": {"tests": ["tests/test_claims.py::test_the_page_is_generated_from_the_data"]}}
+            "experiment": {"tests": [
+                "tests/test_claims.py::test_the_page_is_generated_from_the_data"]}}
 BAD_ROWS = {
     "neither experiment nor source": {"evidence": [], "experiment": {"needs": "GPU"}},
     "a test that does not exist": {"experiment": {"tests": ["tests/test_claims.py::test_nothing"]}},
@@ -150,13 +151,14 @@ def test_a_pytest_report_gives_each_named_test_its_outcome():
     row = parse({"torch": "x", "sections": {"1": "s"}, "claims": [
         {**GOOD_ROW, "experiment": {"tests": ["tests/test_a.py::test_q", "tests/test_a.py::test_r"],
                                     "check": "c"}}]}).claims[0]
-    tests = {"tests/test_a.py::test_q": (SKIPPED, "needs a GPU"), "tests/test_a.py::test_r": (HELD, "")}
+    tests = {"tests/test_a.py::test_q": (SKIPPED, "needs a GPU"),
+             "tests/test_a.py::test_r": (HELD, "")}
     assert row_result(row, {"c": (HELD, "seen")}, tests)[0] == HELD
     assert row_result(row, {"c": (FAILED, "not seen")}, tests) == (FAILED, "not seen")
-    assert row_result(row, {"c": (HELD, "seen")},
-                      {**tests, "tests/test_a.py::test_r": (ERROR, "deadline")}) == (ERROR, "deadline")
-    assert row_result(row, {"c": (SKIPPED, "needs a GPU")},
-                      {"tests/test_a.py::test_q": (SKIPPED, "needs a GPU")}) == (SKIPPED, "needs a GPU")
+    deadline = {**tests, "tests/test_a.py::test_r": (ERROR, "deadline")}
+    assert row_result(row, {"c": (HELD, "seen")}, deadline) == (ERROR, "deadline")
+    gpu_only = {"tests/test_a.py::test_q": (SKIPPED, "needs a GPU")}
+    assert row_result(row, {"c": (SKIPPED, "needs a GPU")}, gpu_only) == (SKIPPED, "needs a GPU")
 
 
 def test_the_student_command_runs_from_the_repository_root_without_the_tests():

@@ -105,7 +105,8 @@ def test_functions(path: Path) -> frozenset[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+        is_function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        if is_function and node.name.startswith("test"):
             names.add(node.name)
     return frozenset(names)
 
@@ -154,7 +155,7 @@ def torch_reference_problem(reference: str, torch_dir: Path | None = None) -> st
 
 
 def cell_problem(cell: str, root: Path = ROOT) -> str | None:
-    """``LESSON.nb.py#words``: the lesson exists and one of its markdown headings holds the words."""
+    """``LESSON.nb.py#words``: the lesson exists and a markdown heading of it holds the words."""
     file, sep, words = cell.partition("#")
     path = root / file
     if not sep or not path.is_file():
@@ -261,8 +262,8 @@ def render(claims: Claims) -> str:
         "do not edit by hand. -->",
         "",
         "Every technical claim of the source article (`source_article_zh.txt`, a popular Chinese "
-        "write-up on PyTorch DDP), section by section: what it says, whether it holds, what is true "
-        f"for **torch {claims.torch}** (the version the course pins and this page was checked "
+        "write-up on PyTorch DDP), section by section: what it says, whether it holds, what is "
+        f"true for **torch {claims.torch}** (the version the course pins and this page was checked "
         "against), the evidence in PyTorch's source or docs (NCCL's docs for NCCL variables), and "
         "the experiment in this repository that shows it.",
         "",
@@ -278,9 +279,9 @@ def render(claims: Claims) -> str:
         "python -m ddpcourse.claims --no-tests  # only the page's own short experiments (seconds)",
         "```",
         "",
-        "It runs the page's short experiments (`ddpcourse/claims/experiments.py`) and, with pytest, "
-        "the chapter tests each row names; rows that need a GPU run where one is present and are "
-        "skipped, with the reason, where not. The course's test suite keeps the page true: "
+        "It runs the page's short experiments (`ddpcourse/claims/experiments.py`) and, with "
+        "pytest, the chapter tests each row names; rows that need a GPU run where one is present "
+        "and are skipped, with the reason, where not. The course's test suite keeps the page true: "
         "`tests/test_claims.py` fails when this page is out of date with its data, when a row has "
         "neither an experiment nor a source reference, when a named test, script, lesson section "
         "or torch source file does not exist, or when one of the page's experiments no longer "

@@ -122,7 +122,8 @@ def row_result(claim, checks: dict, tests: dict) -> tuple[str, str]:
     if parts:
         return SKIPPED, parts[0][1]
     if claim.needs:
-        return "—", f"needs {claim.needs}" + (f"; {claim.pending}, pending" if claim.pending else "")
+        pending = f"; {claim.pending}, pending" if claim.pending else ""
+        return "—", f"needs {claim.needs}{pending}"
     if claim.pending:
         return "—", f"{claim.pending}, pending"
     return "—", "source reference only" if not claim.tests else "tests not run (--no-tests)"
@@ -143,7 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--write", action="store_true",
                         help="regenerate chapters/CLAIMS.md from chapters/claims.yaml and stop")
     parser.add_argument("--no-tests", action="store_true",
-                        help="skip the chapter tests the rows name; run only the page's experiments")
+                        help="skip the chapter tests the rows name; run only the page's own "
+                        "experiments")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds for the pytest session (default 1800)")
     args = parser.parse_args(argv)
@@ -177,7 +179,8 @@ def main(argv=None) -> int:
     print(f"\n{held} rows confirmed by a run here, {len(contradicted)} contradicted, "
           f"{len(errors)} could not run (errors), "
           f"{len(results) - held - len(contradicted) - len(errors)} not run here (GPU, nodes, "
-          "pending, or source references only)" + (f"; {len(found)} data problems" if found else ""))
+          "pending, or source references only)"
+          + (f"; {len(found)} data problems" if found else ""))
     if errors:
         print("An error is no verdict (the experiment did not get to its check, most often a "
               "deadline on a busy machine): rerun when the machine is quieter.")

@@ -36,7 +36,7 @@ def _torch_file(relative: str) -> Path:
     return Path(torch.__file__).resolve().parent / relative
 
 
-# --- chapter 03's topic: torchrun ------------------------------------------------------------------
+# --- chapter 03's topic: torchrun -----------------------------------------------------------------
 
 
 def torchrun_is_torch_distributed_run() -> Outcome:
@@ -73,7 +73,7 @@ def c10d_rendezvous_keeps_its_state_in_a_tcp_store() -> Outcome:
     return Outcome(held, observed)
 
 
-# --- chapter 06's topic: data loading ------------------------------------------------------------
+# --- chapter 06's topic: data loading -------------------------------------------------------------
 
 
 class _Pids(torch.utils.data.Dataset):
@@ -134,7 +134,7 @@ def distributed_sampler_knows_no_topology() -> Outcome:
     return Outcome(held, f"arguments {params}; rank r gets order[r::{world}]: {strided}")
 
 
-# --- chapter 07's topic: the training loop --------------------------------------------------------
+# --- variables and processes around the ranks -----------------------------------------------------
 
 
 def nccl_blocking_wait_was_renamed() -> Outcome:
@@ -168,7 +168,7 @@ def taskset_binds_every_rank_to_the_same_cores() -> Outcome:
     return Outcome(held, f"launcher bound to {sorted(one_core)}; its two children: {seen}")
 
 
-# --- GPU only ---------------------------------------------------------------------------------------
+# --- GPU only -------------------------------------------------------------------------------------
 
 
 def _need_cuda() -> None:
