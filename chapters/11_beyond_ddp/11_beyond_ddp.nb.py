@@ -220,8 +220,8 @@ for per_rank in measured:
           f"{2 * zero1['full_param_bytes'] // 4:,} B)")
 
 # %% [markdown]
-# Exercise 3 (`sharded_optimizer`) asks for a ZeRO-1 optimizer whose shares are balanced better
-# than this.
+# FSDP2 splits *every* tensor by rows instead, so its shares are equal (the zero2 and zero3 rows
+# of section 1: the same Adam bytes on every rank).
 #
 # **FSDP2 and its checkpoint.** FSDP2 turns every parameter into a `DTensor` sharded on dim 0
 # (`Shard(0)` on the mesh), so a checkpoint is a set of shards. `torch.distributed.checkpoint`
@@ -268,9 +268,7 @@ print(f"sum of the {t} ranks' partial outputs vs dense: {(split - dense).abs().m
 # The sum over ranks in forward is an **all-reduce**; in backward the same structure runs the
 # other way: every rank's shard contributes to the gradient of the shared input `x`, so that
 # gradient is a sum over ranks too (another all-reduce). One forward + backward of this MLP
-# costs one all-reduce of the output activation in each direction, whatever `t`. Exercise 2
-# asks you to build `ColumnParallelLinear` and `RowParallelLinear` with exactly these
-# collectives.
+# costs one all-reduce of the output activation in each direction, whatever `t`.
 #
 # DTensor does the same from a plan: `parallelize_module(model, mesh, {"up": ColwiseParallel(),
 # "down": RowwiseParallel()})`. The script runs it on the `tp` dimension of a 2 x 2 mesh and
@@ -293,8 +291,7 @@ print("collectives in one forward + backward:", tp["collectives"])
 # grid: ranks {0, 1} and {2, 3} are tensor-parallel groups (contiguous ranks: on GPUs, the ones
 # that share a fast NVLink), {0, 2} and {1, 3} the data-parallel groups. Each dp group gets its
 # own half of the batch; the two ranks of a tp group see the *same* samples and hold different
-# shards. Data parallelism must average over `mesh["dp"]` only. Exercise 1 (`build_2d_groups`)
-# builds these groups with `dist.new_group`.
+# shards. Data parallelism must average over `mesh["dp"]` only.
 
 # %%
 for rank, r in enumerate(two_d):
@@ -389,7 +386,7 @@ for p in (2, 3, 4):
 # %% [markdown]
 # Both schedules leave the same share idle, exactly `(p-1)/(m+p-1)`: more micro-batches shrink
 # the bubble. 1F1B's gain is memory: the first stage holds `min(p, m)` micro-batches instead of
-# `m`. Exercise 4 (`pipeline_schedule`) asks you to write both orders.
+# `m`.
 #
 # The same schedules on real ranks with send/recv (2 stages, 4 micro-batches), then with
 # `torch.distributed.pipelining` (`PipelineStage` and `ScheduleGPipe` / `Schedule1F1B`), against
@@ -405,17 +402,6 @@ print("micro-batches held at once per rank (by hand):",
       {kind: [r[kind]["peak_held"] for r in pipes] for kind in pp.SCHEDULES})
 
 # %% [markdown]
-# ## Exercises
-#
-# In `exercises/11_beyond_ddp/` (self-check: `pytest exercises/11_beyond_ddp`):
-#
-# 1. **`build_2d_groups`**: `build_2d_groups(world_size, tp_size) -> (dp_group, tp_group)` for
-#    this rank, ranks of a TP group contiguous (section 5).
-# 2. **`tensor_parallel_linear`**: `ColumnParallelLinear` and `RowParallelLinear` from a full
-#    `nn.Linear` and a TP group, equal to the dense layer in outputs and gradients (section 4).
-# 3. **`sharded_optimizer`**: a ZeRO-1 `ShardedOptimizer` with balanced shards (section 3).
-# 4. **`pipeline_schedule`**: GPipe and 1F1B orders of steps per rank (section 7).
-#
 # ## Summary
 #
 # | claim | shown by |
