@@ -33,7 +33,7 @@ def ring_factor(n: int) -> float:
 def estimate(*, parameters: float, batch: int, sequence: int, layers: int, hidden: int,
              dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0,
              microbatches: int = 1, schedule: str = "1f1b", bytes_per_value: int = 4,
-             optimizer_values_per_parameter: int = 2, saved_values_per_layer: float = 2.0,
+             optimizer_values_per_parameter: int = 2, saved_values_per_layer: float = 1.0,
              tp_allreduces_per_layer: int = 2) -> dict[str, float]:
     """What one rank holds and sends in one training step.
 
@@ -52,8 +52,9 @@ def estimate(*, parameters: float, batch: int, sequence: int, layers: int, hidde
         optimizer_values_per_parameter: 2 for Adam (exp_avg, exp_avg_sq), 1 for SGD with
             momentum, 0 for plain SGD.
         saved_values_per_layer: activations a layer saves for backward, per sample and token, in
-            units of ``hidden`` values (2 for Linear + ReLU: the Linear's input and the ReLU's
-            output; about 17 for a transformer layer in 16-bit, Korthikanti et al. 2022).
+            units of ``hidden`` values (1 for a stack of Linear + ReLU: the ReLU's output, which
+            is also the next Linear's saved input, one storage; the model's own input adds one
+            more; about 17 for a transformer layer in 16-bit, Korthikanti et al. 2022).
         tp_allreduces_per_layer: all-reduces of one layer's activations per micro-batch under
             tensor parallelism, forward and backward together (2 for a column-then-row parallel
             MLP; 4 for a Megatron transformer layer).

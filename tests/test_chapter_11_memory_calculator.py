@@ -33,7 +33,7 @@ def test_ddp_replicates_everything_and_all_reduces_the_gradients():
     assert e["params"] == e["grads"] == 4000
     assert e["optimizer"] == 8000  # Adam: two values per parameter
     assert e["wire_dp"] == pytest.approx(2 * 3 / 4 * 4000)
-    assert e["activations"] == 2 * 5 * 3 * 2 * 4 * 4
+    assert e["activations"] == 1 * 5 * 3 * 2 * 4 * 4
     assert e["total"] == e["params"] + e["grads"] + e["optimizer"] + e["activations"]
 
 
@@ -50,7 +50,7 @@ def test_tensor_and_pipeline_degrees_split_the_model_and_add_their_traffic():
     base = dict(parameters=8e6, batch=8, sequence=16, layers=8, hidden=32)
     e = estimate(**base, tp=2, pp=2, microbatches=4, schedule="gpipe")
     assert e["params"] == 8e6 * 4 / 4
-    assert e["activations"] == 2 * 32 * 16 * 2 * 4 / 2 * 4 * 4  # 4 layers, half width, 4 in flight
+    assert e["activations"] == 1 * 32 * 16 * 2 * 4 / 2 * 4 * 4  # 4 layers, half width, 4 in flight
     assert e["wire_tp"] == pytest.approx(2 * 4 * 4 * 2 * 0.5 * 2 * 16 * 32 * 4)
     assert e["wire_pp"] == 2 * 8 * 16 * 32 * 4
     one_f_one_b = estimate(**base, tp=2, pp=2, microbatches=4, schedule="1f1b")
@@ -135,3 +135,28 @@ def test_every_scheme_trains_like_one_process(measured):
         for row in (r for rank_rows in per_rank for r in rank_rows):
             err = max((row["weights"][k] - w).abs().max().item() for k, w in reference.items())
             assert err < 1e-5, (n, row["rank"], row["scheme"], err)
+
+
+@pytest.mark.parametrize("batch,depth", [(4, 3), (16, 2)])
+def test_activation_bytes_are_the_tensors_autograd_saves(batch, depth):
+    """Counted with saved_tensors_hooks: every tensor autograd keeps for backward, less the
+    parameters (held anyway), each storage once. A Linear + ReLU layer adds one storage: the
+    ReLU's output, which is also the next Linear's saved input (saved_values_per_layer=1); the
+    first Linear's saved input, the batch itself, is the one tensor more."""
+    import torch
+
+    model = mt.make_mlp(WIDTH, depth)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(torch.randn(batch, WIDTH))
+    e = estimate(parameters=PARAMS, batch=batch, sequence=1, layers=depth, hidden=WIDTH)
+    assert sum(saved.values()) == e["activations"] + batch * WIDTH * 4
+    out.sum().backward()

@@ -269,6 +269,24 @@ def format_table(lines: list[dict]) -> str:
     return "\n".join(out)
 
 
+def write_record(path: str, lines: list[dict], opts) -> None:
+    """The measured table with the header every record under benchmarks/results/ carries.
+    Bytes are deterministic; the header says where they were counted."""
+    import json
+
+    from ddpcourse import timing
+
+    record = timing.reference_header(
+        "torchrun --standalone --nproc_per_node {} {}".format(
+            dist.get_world_size(), " ".join(["chapters/11_beyond_ddp/memory_and_traffic.py"]
+                                            + sys.argv[1:])),
+        timing.machine_load(interval=0.5),
+        note="bytes counted tensor by tensor and collective by collective; load is irrelevant")
+    record.update(width=opts.width, depth=opts.depth, batch=opts.batch,
+                  world_size=dist.get_world_size(), rows=lines)
+    Path(path).write_text(json.dumps(record, indent=1) + "\n")
+
+
 def main() -> int:
     import argparse
 
@@ -278,6 +296,8 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--out", help="also write the table as a JSON record (machine, date, "
+                        "torch, command), e.g. benchmarks/results/ch11_memory_traffic_ws4.json")
     opts = parser.parse_args()
     with process_group(timeout_s=120, backend="gloo") as ctx:
         mine = measure_all(ctx.rank, ctx.world_size, opts.width, opts.depth, opts.batch)
@@ -306,6 +326,8 @@ def main() -> int:
                     ok = False
                     print(f"FAIL rank {m['rank']} {m['scheme']}: weights differ from one "
                           f"process by {err:.2e}")
+        if opts.out:
+            write_record(opts.out, lines, opts)
         print(f"FSDP2 + DCP: files {checkpoints[0]['files']}")
         for c, r in zip(checkpoints, range(ctx.world_size)):
             print(f"  rank {r}: parameter shards restored exactly {c['params_equal']}, "
