@@ -268,7 +268,7 @@ print(f"sum of the {t} ranks' partial outputs vs dense: {(split - dense).abs().m
 # The sum over ranks in forward is an **all-reduce**; in backward the same structure runs the
 # other way: every rank's shard contributes to the gradient of the shared input `x`, so that
 # gradient is a sum over ranks too (another all-reduce). One forward + backward of this MLP
-# costs one all-reduce of the output activation in each direction, whatever `t`.
+# costs two all-reduces, whatever `t`: the output in forward, the input's gradient in backward.
 #
 # DTensor does the same from a plan: `parallelize_module(model, mesh, {"up": ColwiseParallel(),
 # "down": RowwiseParallel()})`. The script runs it on the `tp` dimension of a 2 x 2 mesh and
@@ -279,7 +279,8 @@ import tensor_parallel_2d as tp2d
 
 two_d = run_ranks(tp2d.run_all, 4, backend="gloo", timeout=240)
 tp = two_d[0]["tp"]
-print(f"TP vs dense: output {tp['output_error']:.1e}, gradients {max(tp['grad_errors'].values()):.1e}")
+print(f"TP vs dense: output {tp['output_error']:.1e}, gradients (weights, biases, input) "
+      f"{max(tp['grad_errors'].values()):.1e}")
 print("placements:", tp["placements"])
 print("local shapes on one rank:", tp["local_shapes"])
 print("collectives in one forward + backward:", tp["collectives"])

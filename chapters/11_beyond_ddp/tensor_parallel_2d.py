@@ -8,8 +8,9 @@ On a ``(dp, tp)`` mesh (``init_device_mesh("cpu", (world // 2, 2), mesh_dim_name
 with ``torch.distributed.tensor.parallel.parallelize_module``. Ranks of one dp group share a
 batch shard; the two dp groups get different halves of the global batch. Rank 0 prints:
 
-1. **TP alone** matches the dense MLP: output and every gradient (largest difference), and the
-   collectives one forward + backward called (counted).
+1. **TP alone** matches the dense MLP: output and every gradient, the input's included (largest
+   difference), and one forward + backward calls exactly two all-reduces (counted with
+   ``CommDebugMode``): the output's in forward, the input gradient's in backward.
 2. **DDP over the dp group** refuses the TP model: ``DistributedDataParallel(model,
    process_group=mesh["dp"].get_group())`` raises ``NotImplementedError`` (DDP broadcasts the
    parameters at construction with ``c10d.broadcast_``, for which DTensor has no sharding
@@ -178,6 +179,9 @@ def checks(results: list[dict]) -> list[tuple[str, bool]]:
         ("TP output equals the dense MLP's (< 1e-5)", r["tp"]["output_error"] < 1e-5),
         ("TP gradients equal the dense MLP's (< 1e-5)",
          max(r["tp"]["grad_errors"].values()) < 1e-5),
+        ("one TP forward + backward calls two all-reduces (forward: the output; backward: the"
+         " input's gradient) and no other collective",
+         r["tp"]["collectives"] == {"c10d_functional.all_reduce": 2}),
         ("DDP over mesh['dp'] raises NotImplementedError on every rank",
          all(x["ddp_error"].startswith("NotImplementedError") for x in results)),
         ("TP + FSDP2 over mesh['dp'] equals one process on the global batch (< 1e-5)",
