@@ -32,7 +32,7 @@
 # |---|---|
 # | 1. Wrapping: placement, `device_ids`, what the constructor does, buckets, `model.module` | `wrapping.py` |
 # | 2. Unused parameters: the error, `TORCH_DISTRIBUTED_DEBUG`, the fixes in order, their cost | `unused_parameters.py` |
-# | 3. Buffers: rank 0's at every forward, `broadcast_buffers`, SyncBatchNorm | `buffers.py` |
+# | 3. Buffers: rank 0's, in the forwards that sync them; `broadcast_buffers`, SyncBatchNorm | `buffers.py` |
 # | 4. Seeds: what must be equal, what must differ, what drifts | `seeds_and_replicas.py` |
 # | 5. Gradient accumulation: `no_sync()`, the off-by-one, loss scaling | `accumulation.py` |
 # | 6. Loss and logging: gradients are averaged, never the loss; global metrics | `loss_and_logging.py` |
@@ -292,7 +292,7 @@ for name, value in keys.items():
 # there is no extra metadata, only the prefix on the same tensors.
 #
 # **Evaluate on rank 0 alone through `model.module`**, never through the wrapper: the wrapper's
-# forward runs collectives (the buffer broadcast at every forward, the one-time bucket rebuild)
+# forward runs collectives (the buffer broadcast of section 3, the one-time bucket rebuild)
 # that wait for ranks that are not there. After one training step, rank 0 evaluates while rank 1
 # waits at a barrier (DDP on a 2-second group):
 
@@ -633,7 +633,7 @@ for name, r in run_ranks(up.run_experiments, 2, checkpointed)[0].items():
 # and dummy collectives do not fix it, and reentrant checkpointing with the flag breaks.
 
 # %% [markdown]
-# ## Buffers: rank 0's copy wins, at construction and at every forward
+# ## Buffers: rank 0's copy wins, at construction and in the forwards that sync them
 #
 # **The problem.** A model holds two kinds of state. *Parameters* get gradients, and DDP keeps
 # them equal by averaging the gradients. *Buffers* (tensors registered with `register_buffer`:
@@ -647,11 +647,18 @@ for name, r in run_ranks(up.run_experiments, 2, checkpointed)[0].items():
 # * in the constructor, together with the parameters: `DistributedDataParallel.__init__` calls
 #   `_sync_module_states` ([torch/distributed/utils.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L315)),
 #   guarded by `init_sync` ([distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1062-L1073));
-# * at the start of **every forward**: `_pre_forward` calls `_sync_buffers`, which broadcasts from
-#   rank 0 (`authoritative_rank = 0`, or a rank still running under `Join`) through
-#   `_sync_module_buffers` and `_default_broadcast_coalesced`
+# * at the start of a forward, **when the previous forward through the wrapper ran with gradients
+#   enabled and outside `no_sync()`** (or when it is the first forward): `_pre_forward` calls
+#   `_sync_buffers`, which broadcasts from rank 0 (`authoritative_rank = 0`, or a rank still
+#   running under `Join`) through `_sync_module_buffers` and `_default_broadcast_coalesced`
 #   ([distributed.py, `_pre_forward`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1744-L1782),
-#   [`_sync_buffers`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2405-L2450)).
+#   [`_sync_buffers`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2405-L2450)),
+#   if `will_sync_module_buffers()` holds: buffers present, `forward_sync_buffers` on, and
+#   `require_forward_param_sync` set
+#   ([L2382-L2387](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2382-L2387)).
+#   The constructor sets that flag; `_post_forward` sets it after a forward with gradients
+#   enabled outside `no_sync()` and clears it after any other
+#   ([L1828-L1841](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1828-L1841)).
 #
 # Script: `buffers.py` (`torchrun --standalone --nproc_per_node 2
 # chapters/07_training_loop/buffers.py`; it checks every claim of this section and exits non-zero
@@ -697,10 +704,44 @@ for mode in bf.SYNC_MODES:
 # and the docstrings of both arguments). The warning itself says: keep using
 # `broadcast_buffers=False` if you rely on buffers *not* being synced at construction.
 #
-# Two consequences to remember. The broadcast is a collective in *every* forward, also in
-# `eval()` and under `torch.no_grad()`: a forward through the DDP wrapper on rank 0 alone waits
-# for the other ranks (chapter 06, "evaluation on rank 0"). And with `forward_sync_buffers=False`
-# nothing ever makes the buffers equal again after construction.
+# With `forward_sync_buffers=False` nothing ever makes the buffers equal again after
+# construction.
+#
+# ### Which forwards broadcast: counted
+#
+# "DDP broadcasts the buffers at every forward" is how most write-ups put it (the source article
+# too, section 3.3: `broadcast_buffers=True` broadcasts them "to keep BN statistics consistent").
+# The rule in torch 2.13 is the flag above: a forward broadcasts when the *previous* forward
+# through the wrapper ran with gradients enabled and outside `no_sync()`. Counted, not timed:
+# `bf.broadcasts_per_forward` runs a DDP `Linear` + `BatchNorm1d` through two training steps
+# (the second also broadcasts the rebuilt buckets' order, once per run), then the forwards below,
+# and counts the `gloo:broadcast` events torch.profiler records in each:
+
+# %%
+broadcasts = run_ranks(bf.broadcasts_per_forward, 2)
+for (label, count), (_, r1_count) in zip(*broadcasts):
+    print(f"{label:<46} rank 0: {count}  rank 1: {r1_count}")
+print("checks:", bf.check_broadcasts_per_forward(broadcasts) or "all passed")
+
+# %% [markdown]
+# A forward that syncs runs **two** broadcasts, the same on every rank: the buffers are
+# coalesced into one broadcast per dtype, BatchNorm's float32 `running_mean`/`running_var` and
+# its int64 `num_batches_tracked`. And:
+#
+# * **evaluation**: the *first* `no_grad` forward after training broadcasts (the previous
+#   forward was a training one); the second and third do not. `eval()` mode decides nothing: the
+#   last row, an `eval()` forward with gradients enabled, broadcasts.
+# * **the first training forward after an evaluation does not broadcast**: the forward before it
+#   ran under `no_grad`. Evaluation does not change BatchNorm's buffers (in `eval()` it reads
+#   them), so nothing is lost; the training step after it broadcasts again.
+# * **accumulation** (section 5): only the first micro-batch of each window broadcasts, the one
+#   after the synced micro-batch that closed the previous window. Inside a window each rank's
+#   BatchNorm updates its own statistics, and rank 0's overwrite them at the next window.
+#
+# Two consequences to remember. Evaluating through the wrapper on rank 0 alone hangs at its
+# first forward after training (a broadcast the other ranks never join: chapter 06, "evaluation
+# on rank 0"); evaluate through `model.module`. And a rule of thumb like "one broadcast per
+# forward" overcounts: to know what a loop communicates, count it, as here.
 #
 # ### What DDP holds on to: names of buffers, objects of parameters
 #
@@ -781,10 +822,11 @@ plt.show()
 
 # %% [markdown]
 # * **default**: rank 0's statistics are *exactly* those of a BatchNorm that saw only rank 0's
-#   batches. At every forward the others' updates are overwritten by rank 0's buffers; what
-#   rank 0 saves in a checkpoint knows nothing of the other ranks' data. Right after a forward
-#   the ranks differ again (rank 1 holds rank 0's old statistics updated with its own batch), so
-#   "the buffers are equal" holds only at the start of a forward.
+#   batches. At every training forward (each one syncs here: every step runs with gradients,
+#   no `no_sync`) the others' updates are overwritten by rank 0's buffers; what rank 0 saves in
+#   a checkpoint knows nothing of the other ranks' data. Right after a forward the ranks differ
+#   again (rank 1 holds rank 0's old statistics updated with its own batch), so "the buffers are
+#   equal" holds only at the start of a forward that syncs.
 # * **`forward_sync_buffers=False`**: each rank's statistics are those of its own batches.
 #   Averaging them over the ranks (an `all_reduce` and a division) gives the **global running
 #   mean exactly**: the running mean is a linear average of batch means, and with equal batch
@@ -798,8 +840,8 @@ plt.show()
 # **Where the source article is wrong or incomplete** (section 3.3 and the skeleton in 4.3).
 # It says `broadcast_buffers=True` (the default) broadcasts BN's running_mean/running_var from
 # rank 0 "to keep BN statistics consistent" (保证BN统计量一致): the broadcast is real, but what is
-# consistent is rank 0's running statistics, at the start of each forward; the other ranks'
-# updates are discarded, and the statistics used in training are per rank. For domain-adaptation
+# consistent is rank 0's running statistics, at the start of the forwards that sync (after a
+# training forward, not inside an accumulation window); the other ranks' updates are discarded, and the statistics used in training are per rank. For domain-adaptation
 # fine-tuning it suggests `broadcast_buffers=False` and then to "sync manually in forward with
 # `torch.distributed.all_gather`, collect every card's buffers and average them": an `all_reduce`
 # (sum, then divide by the world size) does that averaging without gathering, and as shown it
@@ -872,11 +914,14 @@ else:
 # is far from the whole-batch result; SyncBatchNorm (on GPUs; `tests/test_chapter_07_buffers_and_seeds.py`
 # checks it there) equals one process's BatchNorm on the whole global batch: output, running mean
 # and running variance. Its running statistics are therefore also the same on every rank after
-# every forward, so the default buffer broadcast has nothing left to correct.
+# every training forward, so the default buffer broadcast has nothing left to correct.
 #
 # **Buffers, in short.**
-# * DDP broadcasts rank 0's buffers in the constructor and at the start of every forward; it
-#   never averages them. Rank 0's BatchNorm statistics come from rank 0's data alone.
+# * DDP broadcasts rank 0's buffers in the constructor and at the start of each forward whose
+#   previous forward ran with gradients enabled outside `no_sync()` (counted: the first of an
+#   evaluation does, the next ones and the first training forward after it do not; in an
+#   accumulation window only the first micro-batch). It never averages them. Rank 0's BatchNorm
+#   statistics come from rank 0's data alone.
 # * `broadcast_buffers=False` (deprecated in 2.13) also skips the constructor's broadcast;
 #   `forward_sync_buffers=False` skips only the forward's.
 # * Reassigning a registered buffer is fine in torch 2.13; a plain tensor attribute, a buffer
@@ -1689,12 +1734,17 @@ for name in ("eager", "compile, then DDP"):
 # Both work, and give the same pieces and the same numbers: above, the largest difference
 # between either compiled run and eager DDP, over all gradients and weights after 3 steps, is 0
 # (the check allows float32 rounding, `cw.TOLERANCE` = 1e-6, because nothing guarantees that a
-# compiled graph adds in eager's order; with `aot_eager` on torch 2.13 it does). The docs show
-# the first order: "`torch.compile` specifically doesn't handle distributed wrapper modules like
-# DDP or FSDP very well, so consider applying `torch.compile` to the inner module passed to the
-# wrapper", with `model.compile()` then `DistributedDataParallel(model, ...)`
+# compiled graph adds in eager's order; with `aot_eager` on torch 2.13 it does). **The docs
+# differ on the order.** The DDP notes' section on TorchDynamo's DDPOptimizer shows the second
+# one, `ddp_model = DDP(model, device_ids=[rank])` then `ddp_model = torch.compile(ddp_model)`
+# ([DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)); the newer page on where to
+# apply `torch.compile` shows the first: "`torch.compile` specifically doesn't handle
+# distributed wrapper modules like DDP or FSDP very well, so consider applying `torch.compile`
+# to the inner module passed to the wrapper", with `model.compile()` then
+# `DistributedDataParallel(model, ...)`
 # ([Where to apply torch.compile?](https://docs.pytorch.org/docs/stable/compile/programming_model.where_to_apply_compile.html)).
-# In the other order dynamo traces DDP's own `forward` first (hence the warning "Profiler record
+# What this lesson's run shows settles it for torch 2.13: both orders get the DDPOptimizer's
+# pieces (the same subgraphs, counted above) and the same numbers. In the other order dynamo traces DDP's own `forward` first (hence the warning "Profiler record
 # function ... will be ignored" above: DDP's forward opens a `record_function`) and stops at
 # `_inside_ddp_forward`, which is excluded from tracing; the model inside is compiled as before.
 #
@@ -1703,8 +1753,9 @@ for name in ("eager", "compile, then DDP"):
 # AllReduce gets wrongly optimized". Neither happens: the all-reduces are launched by DDP's
 # autograd hooks, outside any graph, and both orders give bit-identical results above. Its
 # advice that `mode="reduce-overhead"` works best under DDP is not something the docs say;
-# that mode means CUDA graphs, which this CPU lesson cannot test. Its order is the one the docs
-# recommend, for the docs' reason, not the article's.
+# that mode means CUDA graphs, which this CPU lesson cannot test. Its order is the one the newer
+# docs page shows, for that page's reason (dynamo handles the wrapper poorly), not the
+# article's; the DDP notes show the other, and both work.
 #
 # ### Pitfalls
 #
@@ -1750,10 +1801,11 @@ for how, names in keys.items():
     print(f"state_dict keys, {how:<14} {names}")
 
 # %% [markdown]
-# **Summary.** Compile the inner model, then wrap it (`model.compile()`; `DDP(model)`). Keep
-# `optimize_ddp` on: it is what lets DDP overlap all-reduces with a compiled backward, and with a
-# `bucket_cap_mb` of at least 1. The other order works too. `train.py` (next section) does it
-# with `--compile`.
+# **Summary.** Compile the inner model, then wrap it (`model.compile()`; `DDP(model)`), as the
+# newer docs page shows; the DDP notes' order, wrap then compile, gets the same DDPOptimizer
+# pieces and numbers. Keep `optimize_ddp` on: it is what lets DDP overlap all-reduces with a
+# compiled backward, and with a `bucket_cap_mb` of at least 1. `train.py` (next section) does
+# it with `--compile`.
 
 # %% [markdown]
 # ## A complete training script: `train.py`
@@ -1867,10 +1919,12 @@ print("padded evaluation:", tr.problems(
 #
 # * **Evaluation through the wrapper.** The 509 evaluation samples split into slices of 255 and
 #   254: the ranks run different numbers of evaluation batches. For a model with buffers
-#   (BatchNorm), every forward through the DDP wrapper broadcasts them (section 3), and ranks with
-#   different batch counts would wait for each other (chapter 06 shows it blocking). This model
-#   has none, but it is meant to be extended: `model.module` runs no collective, and the only
-#   collective of the evaluation is the one all-reduce of the sums and counts at the end.
+#   (BatchNorm), a forward through the DDP wrapper can broadcast them (section 3: the first
+#   `no_grad` forward after training does, and in an evaluation with gradients enabled every
+#   forward does), a collective that waits for every rank (chapter 06 shows it blocking).
+#   This model has none,
+#   but it is meant to be extended: `model.module` runs no collective, and the only collective
+#   of the evaluation is the one all-reduce of the sums and counts at the end.
 # * **The sampler's padding in a metric.** `DistributedSampler` would pad 509 to 510 by repeating
 #   a sample (chapter 06); the strided slice `range(rank, n, world_size)` does not.
 # * **The mean of the ranks' means.** Unequal slices make it wrong; sums and counts are exact.
@@ -1939,8 +1993,9 @@ print("padded evaluation:", tr.problems(
 #   freeze what you do not train, use every output, or declare `static_graph=True`.
 #   `find_unused_parameters=True` is the last resort: it walks the autograd graph after every
 #   forward.
-# * **Buffers are rank 0's** after every forward by default, so the statistics come from rank 0's
-#   data. SyncBatchNorm computes batch statistics over all ranks, on GPUs only.
+# * **Buffers are rank 0's** by default, broadcast at the start of each forward that follows a
+#   synced training forward (not at every forward: counted in section 3), so the statistics come
+#   from rank 0's data. SyncBatchNorm computes batch statistics over all ranks, on GPUs only.
 # * **Seeds.** The sampler's seed must be the same on every rank. Dropout and augmentation should
 #   differ between ranks. A learnable module outside the wrapper drifts apart without a word.
 # * **Gradient accumulation.** `no_sync()` goes around the forward *and* the backward of every
