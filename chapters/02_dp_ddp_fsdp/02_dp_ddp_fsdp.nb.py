@@ -202,15 +202,16 @@ plt.show()
 # ([data_parallel.py L195-197](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/data_parallel.py#L195-L197)).
 # DDP copies the parameters once, in its constructor; after that it moves gradients, and the
 # buffers, which it broadcasts at the start of each forward that follows a training forward
-# (section 2.2; this MLP has none). The
-# live times show what these costs come to on this machine, beside DDP's; the verdict says
-# whether the machine was quiet enough, and the repeats close enough, to read them. Don't carry them to GPUs: here a replica is
-# a copy within one memory and gloo's all-reduce runs over loopback TCP.
+# (section 2.2; this MLP has none). The live times show what these costs come to on this
+# machine, beside DDP's; the verdict says whether the machine was quiet enough, and the repeats
+# close enough, to read them. Don't carry them to GPUs: here a replica is a copy within one
+# memory and gloo's all-reduce runs over loopback TCP.
 #
-# **The wire: DP does not move n times DDP's bytes.** An earlier version of this chapter charged
-# device 0 with sending n-1 replicas and receiving n-1 gradient sets, 2(n-1) x P bytes, against
-# 2(n-1)/n x P for DDP — and its two curves counted different things (DP: bytes in + out; DDP:
-# bytes sent). On a CUDA build that is wrong. Replicate's `Broadcast` calls
+# **The wire: DP does not move n times DDP's bytes.** A common picture of DP makes device 0 a
+# hub that sends n-1 replicas and receives n-1 gradient sets, 2(n-1) x P bytes, against
+# 2(n-1)/n x P for DDP: n times DDP's bytes. (Comparisons drawn that way often also count
+# different things for the two: bytes in + out for DP, bytes sent for DDP.) On a CUDA build the
+# hub picture is wrong. Replicate's `Broadcast` calls
 # `comm.broadcast_coalesced`
 # ([_functions.py L24](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/_functions.py#L24-L24),
 # [comm.py L50-67](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/comm.py#L50-L67)),
@@ -224,8 +225,8 @@ plt.show()
 # broadcast and reduce and 2(n-1)/n for all-reduce. Counted the same way for both (right panel:
 # bus bytes per step, i.e. each collective's time on the wire times the link bandwidth, summed),
 # DP puts 2 x P on the wire at any n and DDP 2(n-1)/n x P: DP moves n/(n-1) times DDP's bytes —
-# 2x at n = 2, 1.33x at n = 4, 1.14x at n = 8 — not the n times (4x at n = 4) of our old panel.
-# The old count (dotted) holds only without NCCL, where device 0 sends a copy of its own to
+# 2x at n = 2, 1.33x at n = 4, 1.14x at n = 8 — not the n times (4x at n = 4) of the hub
+# picture. The hub count (dotted) holds only without NCCL, where device 0 sends a copy of its own to
 # every other device and receives one gradient set from each (2(n-1) x P when these copies share
 # device 0's link). So bytes are not what makes DP the slow one on GPUs. The mechanism, from the
 # source above:

@@ -394,10 +394,14 @@ print("indices in the message:", bug["indices"])
 # %% [markdown]
 # ### 2. Which parameters? `TORCH_DISTRIBUTED_DEBUG=INFO`
 #
-# With the debug level at `INFO` (or `DETAIL`), DDP builds a name for every parameter at
-# construction (`_build_debug_param_to_name_mapping`,
-# [L1593](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1593))
-# and the error names them. The level is read from the environment **when `torch.distributed` is
+# DDP builds a name for every parameter at construction, whatever the debug level
+# (`_build_debug_param_to_name_mapping`, called unconditionally in `__init__`,
+# [L1593](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1593)),
+# and hands the map to the C++ `Reducer`. The reducer reads the debug level when it is built
+# (its `ddp_debug_level_`, in torch/csrc/distributed/c10d/reducer.hpp) and decides from it what
+# the "prior iteration" error says: at `OFF` it lists the unreduced parameters' indices and
+# tells you to set `TORCH_DISTRIBUTED_DEBUG`; at `INFO` (or `DETAIL`) it names them. So the
+# level has to be set before `DDP(...)` builds the reducer. The level is read from the environment **when `torch.distributed` is
 # imported** ([torch/distributed/\_\_init\_\_.py L170](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/__init__.py#L170)),
 # so for a script set it on the command line: `TORCH_DISTRIBUTED_DEBUG=INFO torchrun ...`. In a
 # process that has already imported torch (a notebook, a rank forked from a warm server),
@@ -1310,9 +1314,10 @@ for world_size in (2, 3):
 # rank 0 write to the log?
 #
 # **The idea.** DDP never sees the loss. Its reducer hooks into the *parameters*: when a
-# parameter's gradient is ready its autograd hook marks it, and full buckets of gradients are
-# all-reduced and divided by the world size W
-# ([DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)). The loss tensor stays on
+# parameter's gradient is ready its autograd hook divides it by the world size W while copying
+# it into its bucket, and each full bucket is all-reduced with SUM: the average
+# (`Reducer::mark_variable_ready_dense`, chapter 04;
+# [DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)). The loss tensor stays on
 # its rank, unchanged. Everything in this section follows from that.
 #
 # Script: `loss_and_logging.py` (`torchrun --standalone --nproc_per_node 2
@@ -1375,11 +1380,16 @@ for name, value in run_ranks(ll.non_scalar_backward, 2)[0].items():
 # ### `reduction="sum"` and DDP's average: gradients W times too small
 #
 # The article treats `.mean()` and `.sum()` as interchangeable. Under DDP they are not
-# interchangeable with a single process either way. DDP divides by W
-# (`allreduce_hook` does `tensor.div_(group_to_use.size())`,
-# [default_hooks.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py#L18-L32);
-# without a hook the reducer multiplies by 1/W). Averaging per-rank *means* over equal shards
-# gives the global mean's gradient; averaging per-rank *sums* gives 1/W of the global sum's:
+# interchangeable with a single process either way. DDP divides by W (without a hook the reducer
+# multiplies each gradient by 1/W as it enters the bucket, then sums; the documented
+# `allreduce_hook` does `tensor.div_(group_to_use.size())` before its SUM all-reduce,
+# [default_hooks.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py#L18-L32)).
+# Averaging per-rank *means* over equal shards gives the global mean's gradient; averaging
+# per-rank *sums* gives 1/W of the global sum's. "Too small" needs a baseline, and there are
+# two: against **one process summing the same global batch** the DDP gradient is **W times too
+# small** (this heading, measured below); against **one process summing a single rank's
+# batch** (the loss you would write on one GPU with the per-rank batch size) it is of the same
+# scale, since each rank's summed gradient grows with its own rows and DDP averages those:
 
 # %%
 for world_size in (2, 3):
@@ -1388,9 +1398,13 @@ for world_size in (2, 3):
         print(f"    {name}: {value}")
 
 # %% [markdown]
-# The factor is exactly W when the single process adds the shards' sums in DDP's order (2.0, 2.0
-# on 2 ranks, where halving is exact), and W up to float32 rounding (relative 1e-7) when it sums
-# the global batch in one go. If you mean a global sum, multiply each rank's loss by W (or
+# Two kinds of figure. The first two lines are **per-element ratios** (min, max over the nonzero
+# gradient entries): exactly W when the single process adds the shards' sums in DDP's order on 2
+# ranks (2.0, 2.0: halving is exact), and otherwise W to within a few parts in 1e5 (3.4e-5 at
+# most here, on 3 ranks), because a small entry is the difference of larger terms and its
+# rounding is large against it. The third
+# line compares **whole vectors**: the largest error of W x DDP's sum, relative to the largest
+# gradient entry, about 1e-7, which is float32 rounding (machine epsilon 1.2e-7). If you mean a global sum, multiply each rank's loss by W (or
 # raise the learning rate by W). A summed loss is also proportional to the batch size, so it
 # changes with the number of ranks and with uneven last batches; a mean loss does not.
 #
@@ -2002,7 +2016,9 @@ print("padded evaluation:", tr.problems(
 #   micro-batch but the last of a step. Divide each loss by the number of micro-batches. Sync and
 #   step on the same, last micro-batch.
 # * **Losses are per rank; gradients are averaged.** To log a global number, all-reduce sums and
-#   counts. A summed loss changes the gradient scale by the rows per rank, not by the world size.
+#   counts. Under DDP a summed loss gives gradients W times smaller than one process summing the
+#   global batch, and of the scale of one process summing one rank's batch: its scale follows
+#   the rows per rank, not the world size.
 # * **Mixed precision** computes in bf16 or fp16 but keeps gradients in float32. The all-reduce
 #   carries the same bytes unless a compression hook is registered. GradScaler is for fp16 only.
 # * **`torch.compile`** cooperates with DDP: the DDP optimizer splits the graph at bucket

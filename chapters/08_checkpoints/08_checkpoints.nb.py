@@ -291,9 +291,13 @@ print("claims contradicted:", rb.problems(resumes) or "none")
 # **The fix** (`checkpoint_files.py`): write a temporary file **in the same directory**, flush and
 # `os.fsync` it, then `os.replace` it onto the final name and fsync the directory. A rename within
 # one file system is atomic on POSIX: a reader sees the old complete file or the new complete
-# file, never a mix. (A temporary file in `/tmp` may be on another file system, where the move is
-# a copy and no longer atomic; without the fsyncs a power cut can leave the new name over blocks
-# that never reached the disk.) `CheckpointDir` adds numbered files `step_XXXXXXXX.pt`, a
+# file, never a mix. (A temporary file in `/tmp` may be on another file system, and there
+# `os.replace` does not move it at all: it raises `OSError: [Errno 18] Invalid cross-device
+# link` (`EXDEV`; the [`os.rename` docs](https://docs.python.org/3/library/os.html#os.rename):
+# "The operation may fail if src and dst are on different filesystems"). Only `shutil.move`
+# falls back to copying and deleting, and a copy is not atomic: a reader can see a half-written
+# file. Without the fsyncs a power cut can leave the new name over blocks that never reached
+# the disk.) `CheckpointDir` adds numbered files `step_XXXXXXXX.pt`, a
 # `latest` pointer (replaced atomically *after* the checkpoint it names is complete) and keeps
 # the newest K, never deleting the one `latest` names.
 #
