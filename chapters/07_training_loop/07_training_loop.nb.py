@@ -34,8 +34,8 @@
 # | 2. Unused parameters: the error, `TORCH_DISTRIBUTED_DEBUG`, the fixes in order, their cost | `unused_parameters.py` |
 # | 3. Buffers: rank 0's, in the forwards that sync them; `broadcast_buffers`, SyncBatchNorm | `buffers.py` |
 # | 4. Seeds: what must be equal, what must differ, what drifts | `seeds_and_replicas.py` |
-# | 5. Gradient accumulation: `no_sync()`, the off-by-one, loss scaling | `accumulation.py` |
-# | 6. Loss and logging: gradients are averaged, never the loss; global metrics | `loss_and_logging.py` |
+# | 5. Loss and logging: gradients are averaged, never the loss; global metrics | `loss_and_logging.py` |
+# | 6. Gradient accumulation: `no_sync()`, the off-by-one, loss scaling | `accumulation.py` |
 # | 7. Mixed precision: autocast, GradScaler, what the all-reduce carries | `mixed_precision.py` |
 # | 8. `torch.compile` with DDP | `compile_with_ddp.py` |
 # | 9. A complete training script | `train.py` |
@@ -46,7 +46,7 @@
 # **Article claims checked here.** The source article has advice on each of these topics. Where
 # it is wrong or out of date, the section says so and shows the experiment: `find_unused_parameters`
 # and its "workarounds" (section 2), buffers and seeds (3, 4), "the loss must be a scalar or DDP
-# won't know what to sync" (6), `torch.cuda.amp` (7).
+# won't know what to sync" (5), `torch.cuda.amp` (7).
 
 # %%
 import sys
@@ -483,7 +483,8 @@ for fix, w in run_ranks(up.costs, 2)[0].items():
 # %% [markdown]
 # Three costs, all deterministic:
 #
-# * **a search of the autograd graph at every forward**: `_post_forward` passes the outputs to
+# * **a search of the autograd graph at every training forward** (gradients enabled, outside
+#   `no_sync()`): `_post_forward` passes the outputs to
 #   `Reducer::prepare_for_backward`, which walks every node reachable from them
 #   (`search_unused_parameters`) to find the gradient accumulators not in the graph
 #   ([L1830-L1840](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1830-L1840));
@@ -738,7 +739,7 @@ print("checks:", bf.check_broadcasts_per_forward(broadcasts) or "all passed")
 # * **the first training forward after an evaluation does not broadcast**: the forward before it
 #   ran under `no_grad`. Evaluation does not change BatchNorm's buffers (in `eval()` it reads
 #   them), so nothing is lost; the training step after it broadcasts again.
-# * **accumulation** (section 5): only the first micro-batch of each window broadcasts, the one
+# * **accumulation** (section 6): only the first micro-batch of each window broadcasts, the one
 #   after the synced micro-batch that closed the previous window. Inside a window each rank's
 #   BatchNorm updates its own statistics, and rank 0's overwrite them at the next window.
 #
@@ -845,7 +846,8 @@ plt.show()
 # It says `broadcast_buffers=True` (the default) broadcasts BN's running_mean/running_var from
 # rank 0 "to keep BN statistics consistent" (保证BN统计量一致): the broadcast is real, but what is
 # consistent is rank 0's running statistics, at the start of the forwards that sync (after a
-# training forward, not inside an accumulation window); the other ranks' updates are discarded, and the statistics used in training are per rank. For domain-adaptation
+# training forward, not inside an accumulation window); the other ranks' updates are discarded,
+# and the statistics used in training are per rank. For domain-adaptation
 # fine-tuning it suggests `broadcast_buffers=False` and then to "sync manually in forward with
 # `torch.distributed.all_gather`, collect every card's buffers and average them": an `all_reduce`
 # (sum, then divide by the world size) does that averaging without gathering, and as shown it
@@ -1120,193 +1122,6 @@ for name, curve in curves.items():
 #   EMA of buffers does not unless you average them.
 
 # %% [markdown]
-# ## Gradient accumulation: `no_sync()` around the forward *and* the backward
-#
-# **The problem.** The batch you want does not fit in memory; you can afford micro-batches of a
-# quarter of it. Gradient accumulation runs k micro-batches forward and backward, lets their
-# gradients add up in `.grad`, and steps the optimizer once. Under DDP every backward ends in an
-# all-reduce of the gradients, so a naive loop communicates k times per optimizer step, although
-# only the sum of the k gradients is ever used.
-#
-# **The idea.** `DistributedDataParallel.no_sync()` is a context manager in which backwards do
-# not all-reduce; the gradients accumulate locally, and the next synchronised backward all-reduces
-# everything accumulated so far ([docs](https://docs.pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync)).
-# So: k - 1 micro-batches under `no_sync()`, the k-th without it, then the step. Three details
-# decide whether that is right: what `no_sync()` must wrap, on which micro-batch to sync and step,
-# and how to scale the loss.
-#
-# Script: `accumulation.py` (run it with
-# `torchrun --standalone --nproc_per_node 2 chapters/07_training_loop/accumulation.py`; it checks
-# every claim of this section and exits non-zero if one fails). Every all-reduce below is counted
-# by a communication hook, `acc.counting_allreduce_hook`: registered with
-# `register_comm_hook`, DDP hands it each gradient bucket; it notes the bucket's size and dtype
-# and then averages it with `allreduce_hook` from
-# [default_hooks.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py#L35-L55).
-# The toy model has 1377 parameters, one bucket: one call is one synchronisation.
-
-# %%
-from ddpcourse.toys import flat_parameters
-
-import accumulation as acc
-
-print(acc.counting_allreduce_hook.__doc__)
-
-# %% [markdown]
-# ### Where `no_sync()` goes
-#
-# One micro-batch per rank, three placements: the forward and the backward inside `no_sync()`;
-# only the backward inside (the loss was computed before entering); no `no_sync()` at all.
-
-# %%
-for placement in acc.PLACEMENTS:
-    result = run_ranks(acc.syncs_by_placement, 2, placement)[0]
-    print(f"{placement:<21} all-reduce calls: {result['all-reduce calls']}, "
-          f"require_backward_grad_sync when the forward ran: "
-          f"{result['require_backward_grad_sync at forward']!s:<5}, "
-          f"gradient spread across ranks: {result['gradient spread across ranks']:.3g}")
-
-# %% [markdown]
-# Wrapping only the backward changes nothing: one all-reduce, and the gradients are equal on both
-# ranks, exactly as without `no_sync()`. The reason is in
-# [torch/nn/parallel/distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1659-L1685).
-# `no_sync()` does nothing but flip a flag for the duration of the block:
-#
-# ```python
-# old_require_backward_grad_sync = self.require_backward_grad_sync
-# self.require_backward_grad_sync = False
-# try:
-#     yield
-# finally:
-#     self.require_backward_grad_sync = old_require_backward_grad_sync
-# ```
-#
-# and that flag is read by the **forward**. `_pre_forward` calls
-# `self.reducer.prepare_for_forward()` only
-# `if torch.is_grad_enabled() and self.require_backward_grad_sync`
-# ([L1754](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1754-L1758)),
-# and `_post_forward`, under the same condition, calls `self.reducer.prepare_for_backward(...)`
-# ([L1828-L1840](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1828-L1840)).
-# `Reducer::prepare_for_backward` sets `expect_autograd_hooks_ = true`, and the reducer's
-# per-parameter `autograd_hook` returns at once when it is false
-# ([reducer.cpp](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/distributed/c10d/reducer.cpp)).
-# So the decision "this backward all-reduces" is taken when the forward runs; the backward only
-# carries it out. `no_sync`'s own docstring says it too: "The forward pass should be included
-# inside the context manager, or else gradients will still be synchronized."
-#
-# ### A loop that accumulates k micro-batches
-#
-# Here is a correct loop for a fixed k and a number of micro-batches that is a multiple of k. Each
-# rank trains its own micro-batches (rank r takes every W-th of a shared list):
-
-# %%
-def train_accumulating(rank, world_size, k=4, groups=3):
-    model, log = acc.counted_ddp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mine = acc.micro_batches(groups * k * world_size)[rank::world_size]
-    for start in range(0, len(mine), k):
-        *first, last = mine[start:start + k]
-        for x, y in first:                    # k - 1 micro-batches: no all-reduce ...
-            with model.no_sync():             # ... forward AND backward inside
-                (acc.MSE(model(x), y) / k).backward()
-        x, y = last                           # this backward all-reduces the whole sum
-        (acc.MSE(model(x), y) / k).backward()
-        optimizer.step()
-        optimizer.zero_grad()                 # after the step, not between micro-batches
-    return {"all-reduce calls": log.calls,
-            "parameter spread across ranks": acc.spread_across_ranks(flat_parameters(model.module))}
-
-print(run_ranks(train_accumulating, 2)[0])
-
-# %% [markdown]
-# Twelve micro-batches, three optimizer steps, **three** all-reduces, and replicas that are still
-# identical. Three things in it matter:
-#
-# * `/ k`: `.grad` *adds* the k backwards. Dividing each micro-batch's (mean) loss by k makes the
-#   sum the mean gradient over the k micro-batches, what one batch k times larger would give.
-# * `zero_grad()` once per optimizer step. Zeroing between micro-batches throws away what was
-#   accumulated.
-# * The step comes right after the synchronised backward, which all-reduced everything the
-#   `no_sync()` backwards had accumulated.
-#
-# ### Off by one: the replicas drift apart, and nothing says so
-#
-# `acc.accumulate(rank, W, sync_on, step_on)` is the same training with the sync and the step on
-# a chosen micro-batch of each group of k = 4: the last (right), or the first, which is what a test
-# like `if i % k == 0` gives. `acc.all_variants` runs five variants and measures, after every
-# micro-batch, the largest difference between the ranks' parameters.
-
-# %%
-variants = run_ranks(acc.all_variants, 2)[0]
-fig, ax = plt.subplots(figsize=(9, 3.6))
-for (name, result), marker in zip(variants.items(), "os^vx"):
-    ax.plot(result["parameter spread after each micro-batch"], marker=marker, label=name)
-    print(f"{name:<48} all-reduces {result['all-reduce calls']:>2}, steps "
-          f"{result['optimizer steps']}, off the correct run by "
-          f"{result['max |difference| from the correct run']:.3g}")
-ax.set_xlabel("micro-batch (k = 4: steps after 3, 7, 11 when stepping on the last)")
-ax.set_ylabel("max |rank 1 - rank 0| of the parameters")
-ax.set_title("Replicas after each micro-batch, 2 ranks")
-ax.legend(fontsize=8)
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# * **Sync on the first, step on the last.** The first micro-batch's backward all-reduces (only
-#   its own gradient), the next three accumulate locally, and the step uses gradients that differ
-#   from rank to rank. The replicas diverge at the first step and never meet again: DDP
-#   all-reduces gradients; after the constructor's broadcast it never compares or re-sends
-#   parameters. No error, no warning; the loss still goes down on each rank.
-# * **Sync on the last, step on the first.** The step after micro-batch 0 uses its unsynchronised
-#   gradient: diverged from the very first step.
-# * **Sync and step on the first.** The replicas stay equal (every step follows a sync that
-#   gathered everything accumulated), but the groups are {0}, {1, 2, 3, 4}, {5, ..., 8} and the
-#   last three micro-batches are never used: equal replicas, wrong training.
-# * **No `no_sync()`.** Same parameters as the correct loop up to rounding (it re-averages
-#   already-averaged partial sums), and 12 all-reduces instead of 3.
-#
-# A check that catches drift in your own loop: every few hundred steps, compare a checksum of
-# the parameters across ranks (`acc.spread_across_ranks(flat_parameters(model.module))` does it
-# with an `all_gather`).
-#
-# ### 1 process × k micro-batches = k ranks × 1 micro-batch
-#
-# With the loss divided by k, accumulation on one process and DDP on k ranks compute the same
-# thing: the mean of k micro-batch gradients. `acc.one_process_vs_ranks` trains both (and a third
-# model on one batch of all k micro-batches) for three SGD steps, in every rank, on the same data:
-
-# %%
-for world_size in (2, 3):
-    result = run_ranks(acc.one_process_vs_ranks, world_size)[0]
-    print(f"W = k = {world_size}:")
-    for name, value in result.items():
-        print(f"    {name}: {value}")
-    print(f"    4 units in the last place at max |parameter|: "
-          f"{acc.ulp_tolerance(result['max |parameter|']):.3g}")
-
-# %% [markdown]
-# On 2 ranks the two trainings are equal **bit for bit**: dividing a loss by 2 scales every
-# gradient by exactly 1/2, and a sum of two numbers is the same in any order. On 3 ranks they
-# differ by one unit in the last place of float32 (3e-8 at parameters of size 0.35): dividing by
-# 3 rounds, and gloo adds three numbers in its own order (the tests in
-# `tests/test_chapter_07_accumulation_loss_precision.py` measure 3 and 4 ranks and allow 4 units).
-# One batch of k·b samples differs by rounding too: the mean over 8 samples is computed in another
-# order than the mean of two means of 4. Without the division by k the accumulated gradient is
-# exactly k times DDP's (ratio 2.0 on 2 ranks): the same as multiplying the learning rate by k.
-#
-# **The source article on accumulation** (section 6.3): "gradient_accumulation_steps: 当单卡batch
-# 受限时用梯度累积模拟大batch，但会增加通信次数" (when the per-GPU batch is limited, accumulation
-# simulates a large batch, but it increases the number of communications). It increases them only
-# in a loop without `no_sync()` (or with `no_sync()` around the backward alone): 12 all-reduces
-# for 3 steps above. With `no_sync()` around forward and backward there is one all-reduce per
-# optimizer step, as many as the large batch would need, and k times fewer per sample than
-# training on the micro-batches without accumulation.
-#
-# **Pitfalls, in short.** `no_sync()` must contain the forward. Sync and step on the same, last
-# micro-batch of a group. Divide the loss by k. Zero the gradients after the step. Drifting
-# replicas raise nothing: compare parameters across ranks when in doubt. The loop above assumes
-# the number of micro-batches is a multiple of k.
-
-# %% [markdown]
 # ## The loss: what DDP averages, what it never touches, and how to log it
 #
 # **The problem.** In a DDP loop every rank computes `loss = loss_fn(model(x), y)` on its own
@@ -1450,6 +1265,252 @@ print("single process:        ", even["single process"])
 # correct, number of samples]` in float64 over its batches, one `all_reduce` at the end, divide.
 # Log on rank 0 after the all-reduce, which every rank must call. Reducing with
 # `ReduceOp.AVG` instead of `SUM` does not help: it averages the ranks' means the same way.
+
+# %% [markdown]
+# ## Gradient accumulation: `no_sync()` around the forward *and* the backward
+#
+# **The problem.** The batch you want does not fit in memory; you can afford micro-batches of a
+# quarter of it. Gradient accumulation runs k micro-batches forward and backward, lets their
+# gradients add up in `.grad`, and steps the optimizer once. Under DDP every backward ends in an
+# all-reduce of the gradients, so a naive loop communicates k times per optimizer step, although
+# only the sum of the k gradients is ever used.
+#
+# **The idea.** `DistributedDataParallel.no_sync()` is a context manager in which backwards do
+# not all-reduce; the gradients accumulate locally, and the next synchronised backward all-reduces
+# everything accumulated so far ([docs](https://docs.pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync)).
+# So: k - 1 micro-batches under `no_sync()`, the k-th without it, then the step. Three details
+# decide whether that is right: what `no_sync()` must wrap, on which micro-batch to sync and step,
+# and how to scale the loss.
+#
+# Script: `accumulation.py` (run it with
+# `torchrun --standalone --nproc_per_node 2 chapters/07_training_loop/accumulation.py`; it checks
+# every claim of this section and exits non-zero if one fails). Every all-reduce below is counted
+# by a communication hook, `acc.counting_allreduce_hook`: registered with
+# `register_comm_hook`, DDP hands it each gradient bucket; it notes the bucket's size and dtype
+# and then averages it with `allreduce_hook` from
+# [default_hooks.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py#L35-L55).
+# The toy model has 1377 parameters, one bucket: one call is one synchronisation.
+
+# %%
+from ddpcourse.toys import flat_parameters
+
+import accumulation as acc
+
+print(acc.counting_allreduce_hook.__doc__)
+
+# %% [markdown]
+# ### Where `no_sync()` goes
+#
+# One micro-batch per rank, three placements: the forward and the backward inside `no_sync()`;
+# only the backward inside (the loss was computed before entering); no `no_sync()` at all.
+
+# %%
+for placement in acc.PLACEMENTS:
+    result = run_ranks(acc.syncs_by_placement, 2, placement)[0]
+    print(f"{placement:<21} all-reduce calls: {result['all-reduce calls']}, "
+          f"require_backward_grad_sync when the forward ran: "
+          f"{result['require_backward_grad_sync at forward']!s:<5}, "
+          f"gradient spread across ranks: {result['gradient spread across ranks']:.3g}")
+
+# %% [markdown]
+# Wrapping only the backward changes nothing: one all-reduce, and the gradients are equal on both
+# ranks, exactly as without `no_sync()`. The reason is in
+# [torch/nn/parallel/distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1659-L1685).
+# `no_sync()` does nothing but flip a flag for the duration of the block:
+#
+# ```python
+# old_require_backward_grad_sync = self.require_backward_grad_sync
+# self.require_backward_grad_sync = False
+# try:
+#     yield
+# finally:
+#     self.require_backward_grad_sync = old_require_backward_grad_sync
+# ```
+#
+# and that flag is read by the **forward**. `_pre_forward` calls
+# `self.reducer.prepare_for_forward()` only
+# `if torch.is_grad_enabled() and self.require_backward_grad_sync`
+# ([L1754](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1754-L1758)),
+# and `_post_forward`, under the same condition, calls `self.reducer.prepare_for_backward(...)`
+# ([L1828-L1840](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1828-L1840)).
+# `Reducer::prepare_for_backward` sets `expect_autograd_hooks_ = true`, and the reducer's
+# per-parameter `autograd_hook` returns at once when it is false
+# ([reducer.cpp](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/distributed/c10d/reducer.cpp)).
+# So the decision "this backward all-reduces" is taken when the forward runs; the backward only
+# carries it out. `no_sync`'s own docstring says it too: "The forward pass should be included
+# inside the context manager, or else gradients will still be synchronized."
+#
+# ### One optimizer step from two micro-batches
+#
+# Here is the idea in its smallest form, unrolled: one optimizer step from k = 2 micro-batches per
+# rank (rank r takes every W-th of a shared list), the first kept local, the second
+# synchronised:
+
+# %%
+def one_accumulated_step(rank, world_size):
+    model, log = acc.counted_ddp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    (x1, y1), (x2, y2) = acc.micro_batches(2 * world_size)[rank::world_size]
+    with model.no_sync():                      # micro-batch 1: forward AND backward inside,
+        (acc.MSE(model(x1), y1) / 2).backward()  # so its gradient stays on this rank
+    (acc.MSE(model(x2), y2) / 2).backward()      # micro-batch 2: all-reduces the sum of both
+    optimizer.step()
+    optimizer.zero_grad()
+    return {"all-reduce calls": log.calls,
+            "parameter spread across ranks": acc.spread_across_ranks(flat_parameters(model.module))}
+
+print(run_ranks(one_accumulated_step, 2)[0])
+
+# %% [markdown]
+# Two micro-batches, one optimizer step, **one** all-reduce, and replicas that are still
+# identical. Three things in it matter:
+#
+# * `/ 2`, the number of micro-batches in the step: `.grad` *adds* the backwards. Dividing each
+#   micro-batch's (mean) loss by their number makes the sum the mean gradient over them, what one
+#   batch that many times larger would give.
+# * `zero_grad()` once per optimizer step. Zeroing between micro-batches throws away what was
+#   accumulated.
+# * The step comes right after the synchronised backward, which all-reduced everything the
+#   `no_sync()` backwards had accumulated.
+#
+# A real loop does this over a whole list of micro-batches: groups of k, the right micro-batch of
+# each group synchronised, a last group that may be shorter than k, and a loss to log that is the
+# same on every rank. That loop is the exercise `train_steps` (end of the chapter); the
+# experiments below show what goes wrong when one of those decisions is off.
+#
+# ### Off by one: the replicas drift apart, and nothing says so
+#
+# `acc.accumulate(rank, W, sync_on, step_on)` is the same training with the sync and the step on
+# a chosen micro-batch of each group of k = 4: the last (right), or the first, which is what a test
+# like `if i % k == 0` gives. `acc.all_variants` runs five variants and measures, after every
+# micro-batch, the largest difference between the ranks' parameters.
+
+# %%
+variants = run_ranks(acc.all_variants, 2)[0]
+fig, ax = plt.subplots(figsize=(9, 3.6))
+for (name, result), marker in zip(variants.items(), "os^vx"):
+    ax.plot(result["parameter spread after each micro-batch"], marker=marker, label=name)
+    print(f"{name:<48} all-reduces {result['all-reduce calls']:>2}, steps "
+          f"{result['optimizer steps']}, off the correct run by "
+          f"{result['max |difference| from the correct run']:.3g}")
+ax.set_xlabel("micro-batch (k = 4: steps after 3, 7, 11 when stepping on the last)")
+ax.set_ylabel("max |rank 1 - rank 0| of the parameters")
+ax.set_title("Replicas after each micro-batch, 2 ranks")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# * **Sync on the first, step on the last.** The first micro-batch's backward all-reduces (only
+#   its own gradient), the next three accumulate locally, and the step uses gradients that differ
+#   from rank to rank. The replicas diverge at the first step and never meet again: DDP
+#   all-reduces gradients; after the constructor's broadcast it never compares or re-sends
+#   parameters. No error, no warning; the loss still goes down on each rank.
+# * **Sync on the last, step on the first.** The step after micro-batch 0 uses its unsynchronised
+#   gradient: diverged from the very first step.
+# * **Sync and step on the first.** The replicas stay equal (every step follows a sync that
+#   gathered everything accumulated), but the groups are {0}, {1, 2, 3, 4}, {5, ..., 8} and the
+#   last three micro-batches are never used: equal replicas, wrong training.
+# * **No `no_sync()`.** Same parameters as the correct loop up to rounding (it re-averages
+#   already-averaged partial sums), and 12 all-reduces instead of 3.
+#
+# A check that catches drift in your own loop: every few hundred steps, compare a checksum of
+# the parameters across ranks (`acc.spread_across_ranks(flat_parameters(model.module))` does it
+# with an `all_gather`).
+#
+# ### 1 process × k micro-batches = k ranks × 1 micro-batch
+#
+# With the loss divided by k, accumulation on one process and DDP on k ranks compute the same
+# thing: the mean of k micro-batch gradients. `acc.one_process_vs_ranks` trains both (and a third
+# model on one batch of all k micro-batches) for three SGD steps, in every rank, on the same data:
+
+# %%
+for world_size in (2, 3):
+    result = run_ranks(acc.one_process_vs_ranks, world_size)[0]
+    print(f"W = k = {world_size}:")
+    for name, value in result.items():
+        print(f"    {name}: {value}")
+    print(f"    4 units in the last place at max |parameter|: "
+          f"{acc.ulp_tolerance(result['max |parameter|']):.3g}")
+
+# %% [markdown]
+# On 2 ranks the two trainings are equal **bit for bit**: dividing a loss by 2 scales every
+# gradient by exactly 1/2, and a sum of two numbers is the same in any order. On 3 ranks they
+# differ by one unit in the last place of float32 (3e-8 at parameters of size 0.35): dividing by
+# 3 rounds, and gloo adds three numbers in its own order (the tests in
+# `tests/test_chapter_07_accumulation_loss_precision.py` measure 3 and 4 ranks and allow 4 units).
+# One batch of k·b samples differs by rounding too: the mean over 8 samples is computed in another
+# order than the mean of two means of 4. Without the division by k the accumulated gradient is
+# exactly k times DDP's (ratio 2.0 on 2 ranks): the same as multiplying the learning rate by k.
+#
+# ### Gradient clipping in an accumulation window
+#
+# `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` scales the gradients down when
+# their total norm exceeds `max_norm`. Under DDP, *when* you call it decides *which* gradient it
+# measures. After the synchronised backward every rank holds the averaged gradient: the same
+# norm everywhere, the norm one process would compute on the global batch. Inside `no_sync()`
+# each rank holds only its own partial sum. `acc.clipping` trains k = 2 micro-batches per step
+# on 2 ranks with `max_norm=0.01` (so every step clips), clipping either after the synced
+# backward or after every backward, and compares with one process that accumulates all the
+# step's micro-batches and clips once:
+
+# %%
+clip_runs = {where: run_ranks(acc.clipping, 2, where) for where in acc.CLIPPINGS}
+for where, per_rank in clip_runs.items():
+    print(f"clip {where:<42} norm clipped at step 1, per rank: "
+          f"{[round(r['first norm clipped, this rank'], 4) for r in per_rank]}, one process: "
+          f"{per_rank[0]['first norm clipped, one process']:.4f}; replicas apart by "
+          f"{per_rank[0]['parameter spread across ranks']:.3g}; off one process by "
+          f"{per_rank[0]['max |DDP - one process|']:.3g}")
+print("checks:", acc.check_clipping(clip_runs) or "all passed")
+
+# %% [markdown]
+# Clipped after the sync, both ranks see one process's norm and end where it ends, up to float32
+# rounding. Clipped inside the window, each rank measures its own partial gradient (two
+# different norms, neither the global one), scales it by its own factor, and the sync then
+# averages what each rank clipped: the replicas stay equal (nothing warns), but the training is
+# no longer the global batch's. Clip once per optimizer step, after the synchronised backward
+# and before `optimizer.step()` (with a `GradScaler`, after `scaler.unscale_(optimizer)`).
+#
+# ### `gradient_as_bucket_view=True` in an accumulation window
+#
+# By default DDP keeps the gradients twice: in each parameter's `.grad` and in its flat
+# communication buckets. `DDP(..., gradient_as_bucket_view=True)` makes every `.grad` a view into
+# its bucket, saving that copy (the constructor's docstring). Does that hold inside `no_sync()`,
+# where the reducer does not run? `acc.bucket_views` records, after every micro-batch's backward
+# (k = 4, three steps), whether every `.grad` lives in the storage of the bucket DDP all-reduced
+# (`B`) or elsewhere (`.`), for both ways of clearing the gradients, and compares the trained
+# parameters with `gradient_as_bucket_view=False`:
+
+# %%
+for set_to_none in (True, False):
+    r = run_ranks(acc.bucket_views, 2, set_to_none)[0]
+    marks = "".join("B" if b else "." for b in r["grads in the bucket after each micro-batch"])
+    print(f"zero_grad(set_to_none={set_to_none!s:<5}): {marks}   same parameters as without "
+          f"bucket views: {r['same parameters as without bucket views']}")
+
+# %% [markdown]
+# The numbers are the same either way. The memory is not: after `zero_grad()` with its default
+# `set_to_none=True` the gradients are gone, the first backward of the next window runs under
+# `no_sync()` without the reducer and allocates fresh `.grad` tensors, and only the synchronised
+# backward copies them into the bucket and makes them views again (`...B` in every window):
+# inside the window the gradients exist twice, as without the option. With
+# `optimizer.zero_grad(set_to_none=False)` the gradients are zeroed in place and stay bucket
+# views from the first sync on. So with accumulation and `gradient_as_bucket_view=True`, zero
+# the gradients with `set_to_none=False` to keep the saving.
+#
+# **The source article on accumulation** (section 6.3): "gradient_accumulation_steps: 当单卡batch
+# 受限时用梯度累积模拟大batch，但会增加通信次数" (when the per-GPU batch is limited, accumulation
+# simulates a large batch, but it increases the number of communications). It increases them only
+# in a loop without `no_sync()` (or with `no_sync()` around the backward alone): 12 all-reduces
+# for 3 steps above. With `no_sync()` around forward and backward there is one all-reduce per
+# optimizer step, as many as the large batch would need, and k times fewer per sample than
+# training on the micro-batches without accumulation.
+#
+# **Pitfalls, in short.** `no_sync()` must contain the forward. Sync and step on the same, last
+# micro-batch of a group. Divide the loss by k. Zero the gradients after the step. Drifting
+# replicas raise nothing: compare parameters across ranks when in doubt. The loop above assumes
+# the number of micro-batches is a multiple of k.
 
 # %% [markdown]
 # ## Mixed precision under DDP: autocast, GradScaler, and the bytes on the wire
@@ -1848,31 +1909,23 @@ for how, names in keys.items():
 # | same seed on every rank; data generated from its own seed | `seed_everything`, `build_data` | 4 |
 # | `DistributedSampler`, `set_epoch(epoch)` before every epoch | `build_data`, `train` | chapter 06 |
 # | model on its device, *then* (compiled, then) wrapped | `build_model`, `wrap_model` | 1, 8 |
-# | `no_sync()` around forward **and** backward; loss / window length | `train_one_epoch` | 5 |
+# | `no_sync()` around forward **and** backward; loss / window length | `train_one_epoch` | 6 |
 # | autocast; GradScaler for fp16 only | `autocast`, `train` | 7 |
-# | global mean loss and accuracy from all-reduced sums and counts | `train_one_epoch`, `evaluate` | 6, chapter 06 |
+# | global mean loss and accuracy from all-reduced sums and counts | `train_one_epoch`, `evaluate` | 5, chapter 06 |
 # | evaluation through `model.module`, every sample once | `evaluate` | 1, chapter 06 |
 # | rank 0 saves `model.module.state_dict()`, the others wait | `save` | 1 (chapter 08 goes further) |
 # | tqdm bar on rank 0 only | `train` | |
 # | replicas identical at the end (CRC32 of the weights, `all_gather`) | `gathered_checksums`, `problems` | |
 
 # %%
-import inspect
-
-
-
 import train as tr
 
-print(inspect.getsource(tr.train_one_epoch))
-
 # %% [markdown]
-# The accumulation window: batches `0..k-1` form a window, and only the last batch of each
-# window runs outside `no_sync()`, so DDP all-reduces once per window. When the number of
-# batches is not a multiple of k, the last window is shorter; its loss is divided by its own
-# length, and it still ends in a synchronised backward and an optimizer step (a window that
-# never synchronises would leave the replicas apart: section 5). The loss is accumulated as a
-# tensor on the device and all-reduced once per epoch, not turned into a Python float at every
-# step (`.item()` would wait for the GPU at each step).
+# `train_one_epoch` accumulates over windows of `--accumulation-steps` batches, one all-reduce
+# per window (section 6; the exercise `train_steps` has you write that loop, so read the
+# script's version after you have written yours). Its training loss is accumulated as a tensor
+# on the device and all-reduced once per epoch, not turned into a Python float at every step
+# (`.item()` would wait for the GPU at each step).
 #
 # ### Run it: 2 ranks learn what 1 process learns on the same global batches
 #
@@ -1972,7 +2025,7 @@ print("padded evaluation:", tr.problems(
 # optimizer step per group of micro-batches, including a short last group, and each step's global
 # mean loss returned on every rank. The tests count the bytes your loop all-reduces. Exactly one
 # gradient all-reduce per optimizer step is allowed, so `no_sync()` must wrap the right forwards
-# and backwards (section 5). The trained weights must equal one process trained on the equivalent
+# and backwards (section 6). The trained weights must equal one process trained on the equivalent
 # large batches. Self-check: `pytest exercises/07_training_loop/train_steps.ipynb`.
 #
 # ### `global_metrics`: exact metrics of the whole validation set
@@ -1981,7 +2034,7 @@ print("padded evaluation:", tr.problems(
 # accuracy of the *whole* set, to log them, keep the best checkpoint or stop early, alike on every
 # rank. You write `evaluate(model, dataset, batch_size)`. Averaging the ranks' own means
 # over-weights a small share. `DistributedSampler` pads the shares, so some samples count twice.
-# `dist.reduce` leaves the answer on rank 0 alone. Sums and counts, all-reduced (section 6), are
+# `dist.reduce` leaves the answer on rank 0 alone. Sums and counts, all-reduced (section 5), are
 # exact. A rank with no samples must still join that all-reduce. Evaluate `ddp_model.module`, not
 # the wrapper, whose forward may broadcast rank 0's buffers. The tests record every row your model
 # sees. Self-check: `pytest exercises/07_training_loop/global_metrics.ipynb`.
@@ -1989,7 +2042,7 @@ print("padded evaluation:", tr.problems(
 # ### `fix_the_loop`: three silent bugs
 #
 # A colleague's fine-tuning loop, `buggy_train`, has three bugs, and none of them raises an error:
-# a module outside the wrapper (section 4), a summed loss (section 6) and a loss logged by one rank.
+# a module outside the wrapper (section 4), a summed loss (section 5) and a loss logged by one rank.
 # You run it on two ranks with an instrument that shows how far the replicas are apart, how far
 # they are from one process, and what each rank logs. Then you write `train`, the loop it was meant
 # to be. When your weights are wrong, the tests name the mistake that reproduces them. Self-check:

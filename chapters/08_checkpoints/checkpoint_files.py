@@ -233,8 +233,6 @@ def self_check() -> list[str]:
 
 
 if __name__ == "__main__":
-    found = self_check()
-    print("checkpoint_files self-check:", "passed" if not found else "FAILED")
-    for problem in found:
-        print("  -", problem)
-    sys.exit(1 if found else 0)
+    from ddpcourse.report import report_checks  # here only: the module itself needs torch alone
+
+    sys.exit(report_checks(self_check(), label="checkpoint_files self-check"))
