@@ -62,6 +62,33 @@ def test_off_by_one_accumulation_drifts_from_its_first_step_and_raises_nothing(n
         assert results[1]["parameter spread after each micro-batch"] == spread  # a collective
 
 
+def clipping_and_views(rank, world_size):
+    return ({where: acc.clipping(rank, world_size, where) for where in acc.CLIPPINGS},
+            {set_to_none: acc.bucket_views(rank, world_size, set_to_none)
+             for set_to_none in (True, False)})
+
+
+def test_clip_after_the_sync_and_bucket_views_inside_a_window_on_three_ranks(no_orphans):
+    per_rank = run_ranks(clipping_and_views, 3, timeout=180)
+    clipped = {where: [r[0][where] for r in per_rank] for where in acc.CLIPPINGS}
+    assert acc.check_clipping(clipped) == []
+    early = [r["first norm clipped, this rank"] for r in clipped[acc.CLIPPINGS[1]]]
+    assert len(set(early)) == 3  # each rank clipped its own partial gradient
+    for views in (r[1] for r in per_rank):
+        assert acc.check_bucket_views(views) == []
+        assert views[True]["grads in the bucket after each micro-batch"] == [False] * 3 + [True] \
+            + [False] * 3 + [True] + [False] * 3 + [True]
+    wrong = {where: [dict(r) for r in results] for where, results in clipped.items()}
+    wrong[acc.CLIPPINGS[0]][1]["first norm clipped, this rank"] = early[1]  # a local norm
+    assert acc.check_clipping(wrong) != []
+    right, early_runs = (clipped[where] for where in acc.CLIPPINGS)
+    swapped = {acc.CLIPPINGS[0]: early_runs, acc.CLIPPINGS[1]: right}
+    assert acc.check_clipping(swapped) != []
+    always_views = {True: dict(per_rank[0][1][True]), False: per_rank[0][1][False]}
+    always_views[True]["grads in the bucket after each micro-batch"] = [True] * 12
+    assert acc.check_bucket_views(always_views) != []
+
+
 def test_accumulation_check_catches_wrong_data():
     placements = {"forward and backward": {"all-reduce calls": 0, "elements": 0,
                                            "gradient spread across ranks": 0.4},

@@ -62,6 +62,20 @@ def test_a_reassigned_buffer_is_synced_a_plain_tensor_never(buffer_results):
     assert by_way["gradient of a parameter replaced after DDP()"] == [1.0, 2.0, 3.0]
 
 
+def test_a_forward_broadcasts_only_after_a_synced_forward_with_gradients(buffer_results):
+    counts = [dict(r["broadcasts per forward"]) for r in buffer_results]
+    assert all(c == counts[0] for c in counts)
+    by_label = counts[0]
+    assert by_label["eval(), no_grad: 1st forward"] == 2  # float32 statistics + int64 counter
+    assert by_label["eval(), no_grad: 2nd forward"] == 0
+    assert by_label["eval(), no_grad: 3rd forward"] == 0
+    assert by_label["train(): 1st training step after evaluation"] == 0
+    assert by_label["eval(), gradients enabled"] == 2
+    for window in (1, 2):
+        assert [by_label[label] for label in by_label if label.startswith(f"window {window},")] \
+            == [2, 0, 0, 0]
+
+
 def test_syncbatchnorm_on_cpu_fails_in_ddp_init_and_in_a_training_forward(buffer_results):
     cpu = buffer_results[1]["SyncBatchNorm on CPU"]
     ddp = cpu["DDP(model)"]
@@ -86,6 +100,12 @@ def test_buffer_checks_catch_wrong_data(buffer_results):
     cpu = [copy.deepcopy(r["SyncBatchNorm on CPU"]) for r in buffer_results]
     cpu[0]["DDP(model)"] = None
     assert bf.check_syncbatchnorm_on_cpu(cpu) != []
+    every_forward = [[(label, 2) for label, _ in r["broadcasts per forward"]]
+                     for r in buffer_results]  # the rule "a broadcast in every forward"
+    assert bf.check_broadcasts_per_forward(every_forward) != []
+    unequal = [list(r["broadcasts per forward"]) for r in buffer_results]
+    unequal[1][2] = (unequal[1][2][0], 2)
+    assert bf.check_broadcasts_per_forward(unequal) != []
     local = [copy.deepcopy(r["BatchNorm over ranks"]) for r in buffer_results]
     assert bf.check_batchnorm_over_ranks(True, local) != []  # local statistics are not SyncBN's
 

@@ -67,6 +67,8 @@ def test_without_restarts_the_killed_worker_ends_the_job(tmp_path, no_orphans):
     assert ft.no_restart_problems(run) == [], run.stderr
     assert run.returncode != 0 and run.final_weights is None
     assert ft.story(run)["attempts"] == [0]
+    assert ft.story(run)["steps redone"] is None  # nobody resumed: nothing was redone
+    assert "no step was redone" in ft.describe(run, run)
     finished = dataclasses.replace(run, returncode=0)
     assert ft.no_restart_problems(finished) != []
 

@@ -252,3 +252,18 @@ def test_a_stuck_worker_reports_where_it_is_and_the_rank_fails_instead_of_waitin
         next(iter(loader))
     assert time.monotonic() - started < 30
     assert "in __getitem__" in capfd.readouterr().err  # the worker's stack, from faulthandler
+
+
+def test_replay_and_skip_fetches_again_a_stateful_sampler_needs_the_stream_state():
+    loader_resume = import_by_path("ch08_loader_resume", ROOT / "chapters" / "08_checkpoints"
+                                   / "loader_resume.py")
+    per_rank = [loader_resume.run_all(rank, 3) for rank in range(3)]
+    assert loader_resume.check(per_rank) == []
+    stream = per_rank[2]["stream"]
+    assert stream["replay and skip"]["fetched before training"] == 12
+    assert not stream["stateful sampler, without the stream's state"]["same batches"]
+    assert stream["stateful sampler, with the stream's state at the stop"]["same batches"]
+    wrong = [dict(r, stream=dict(r["stream"])) for r in per_rank]
+    wrong[0]["stream"]["replay and skip"] = dict(stream["replay and skip"],
+                                                 **{"fetched before training": 0})
+    assert loader_resume.check(wrong) != []

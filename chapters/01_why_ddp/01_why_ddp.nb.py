@@ -85,8 +85,9 @@ plt.show()
 #
 # With the usual *mean* loss over a batch of `B` samples, the gradient is the mean of per-sample
 # gradients: `g = (1/B) Σᵢ ∇ℓᵢ`. Split the batch into `N` equal shards of `B/N` samples. Rank `r`
-# computes the mean over its shard, `gᵣ = (N/B) Σ_{i∈shard r} ∇ℓᵢ`, and DDP all-reduces and
-# divides by `N` (see the note on summed losses in the
+# computes the mean over its shard, `gᵣ = (N/B) Σ_{i∈shard r} ∇ℓᵢ`, and DDP divides each `gᵣ` by
+# `N` as it copies it into a bucket, then all-reduces the buckets with SUM (chapter 04 shows the
+# order in torch's reducer; see also the note on summed losses in the
 # [DDP API docs](https://docs.pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html)):
 #
 # `(1/N) Σᵣ gᵣ = (1/N)(N/B) Σ_all ∇ℓᵢ = g`.
@@ -329,12 +330,13 @@ print(figures(results))
 # same, and it is the one the counts above predict: **fixed per-step costs that do not shrink with
 # N, against compute that does.**
 #
-# What changed from our earlier text: it quoted 1.57× to 1.68× for the heavy model on 2 ranks
-# from runs it had not recorded, as if that were what any 2-core machine does; a reviewer running
-# the notebook on a loaded 2-core machine got 0.99×, and weak scaling below strong's. A speed-up
-# measured while other programs share the cores says little, and those figures said nothing of
-# the machine's load. The figures above come from a committed record that does, and the live cell
-# says when your run cannot be compared with it.
+# Speed-ups are usually quoted as bare numbers (the article's 17%, the "1.6× on 2 GPUs" of
+# blog posts), with nothing about what else ran on the machine. On a shared machine such a number
+# says little: with other programs on the cores, the same heavy model on 2 ranks can come out
+# anywhere down to no speed-up at all, because the ranks wait for each other at every
+# all-reduce and the slowest one sets the pace. So the figures above come from a committed record
+# that states its machine and its load, and the live cell measures the load of *your* run and
+# says when it cannot be compared with that record.
 
 # %% [markdown]
 # ### The "30-minute epoch" rule is a heuristic, not a law
@@ -370,9 +372,10 @@ for mode in ("strong", "weak"):
 # In the reference run, weak scaling of the heavy model gave a higher speed-up in samples/s than
 # strong scaling, on 2 ranks and on 4 (plotted below): the same bytes are sent, but each rank's
 # step stays long, so communication is a smaller share of it. That is a property of the
-# question, not a free gain: the work per step grew N-fold. And like every timing here it needs a
-# quiet machine: our earlier text said weak scaling "tends to look better", and a reviewer's run on
-# a loaded machine measured 0.83× and 0.92×, below 1.
+# question, not a free gain: the work per step grew N-fold. And "weak scaling looks better" is
+# a property of a quiet machine, not a rule: on a loaded one every rank's step stretches
+# unevenly, and the weak-scaling speed-up can fall below 1 like any other. The verdict printed
+# under the live run says whether it can be read.
 #
 # The live run measures 1 and 2 ranks only (4 ranks of 2,048 samples each on 2 cores would take
 # most of this notebook's time); the reference run has all three.

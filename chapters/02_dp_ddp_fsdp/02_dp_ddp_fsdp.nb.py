@@ -201,15 +201,17 @@ plt.show()
 # both grow with the model, and both are paid again at the next iteration, inside `forward`
 # ([data_parallel.py L195-197](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/data_parallel.py#L195-L197)).
 # DDP copies the parameters once, in its constructor; after that it moves gradients, and the
-# buffers, which it broadcasts at every forward (section 2.2; this MLP has none). The
-# live times show what these costs come to on this machine, beside DDP's; the verdict says
-# whether the machine was quiet enough, and the repeats close enough, to read them. Don't carry them to GPUs: here a replica is
-# a copy within one memory and gloo's all-reduce runs over loopback TCP.
+# buffers, which it broadcasts at the start of each forward that follows a training forward
+# (section 2.2; this MLP has none). The live times show what these costs come to on this
+# machine, beside DDP's; the verdict says whether the machine was quiet enough, and the repeats
+# close enough, to read them. Don't carry them to GPUs: here a replica is a copy within one
+# memory and gloo's all-reduce runs over loopback TCP.
 #
-# **The wire: DP does not move n times DDP's bytes.** An earlier version of this chapter charged
-# device 0 with sending n-1 replicas and receiving n-1 gradient sets, 2(n-1) x P bytes, against
-# 2(n-1)/n x P for DDP — and its two curves counted different things (DP: bytes in + out; DDP:
-# bytes sent). On a CUDA build that is wrong. Replicate's `Broadcast` calls
+# **The wire: DP does not move n times DDP's bytes.** A common picture of DP makes device 0 a
+# hub that sends n-1 replicas and receives n-1 gradient sets, 2(n-1) x P bytes, against
+# 2(n-1)/n x P for DDP: n times DDP's bytes. (Comparisons drawn that way often also count
+# different things for the two: bytes in + out for DP, bytes sent for DDP.) On a CUDA build the
+# hub picture is wrong. Replicate's `Broadcast` calls
 # `comm.broadcast_coalesced`
 # ([_functions.py L24](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/_functions.py#L24-L24),
 # [comm.py L50-67](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/comm.py#L50-L67)),
@@ -223,8 +225,8 @@ plt.show()
 # broadcast and reduce and 2(n-1)/n for all-reduce. Counted the same way for both (right panel:
 # bus bytes per step, i.e. each collective's time on the wire times the link bandwidth, summed),
 # DP puts 2 x P on the wire at any n and DDP 2(n-1)/n x P: DP moves n/(n-1) times DDP's bytes —
-# 2x at n = 2, 1.33x at n = 4, 1.14x at n = 8 — not the n times (4x at n = 4) of our old panel.
-# The old count (dotted) holds only without NCCL, where device 0 sends a copy of its own to
+# 2x at n = 2, 1.33x at n = 4, 1.14x at n = 8 — not the n times (4x at n = 4) of the hub
+# picture. The hub count (dotted) holds only without NCCL, where device 0 sends a copy of its own to
 # every other device and receives one gradient set from each (2(n-1) x P when these copies share
 # device 0's link). So bytes are not what makes DP the slow one on GPUs. The mechanism, from the
 # source above:
@@ -328,7 +330,8 @@ if gpu_rows:
 #   The **parameters** are never broadcast again: every rank applies the same all-reduced
 #   gradients, so they stay equal;
 # * the **buffers** (BatchNorm's running statistics, for example) **are broadcast from rank 0
-#   again at the start of every forward**, by default: `_pre_forward` calls `_sync_buffers`
+#   again at the start of a forward**, by default, when the previous forward through the wrapper
+#   ran with gradients enabled outside `no_sync()`: `_pre_forward` calls `_sync_buffers`
 #   ([L1781-1782](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1781-L1782)),
 #   which broadcasts every buffer from rank 0
 #   ([L2405-2425](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2405-L2425)),
@@ -372,7 +375,7 @@ for r in run_ranks(ch.ddp_broadcast_at_construction, 2):
           f"after {r['checksum_after']:+.6f}")
 
 # %% [markdown]
-# ### 2.2 Buffers: broadcast again at every forward
+# ### 2.2 Buffers: broadcast again at the training forwards
 #
 # Both ranks train the same Linear + BatchNorm1d for two SGD steps, each on its own data (rank
 # *r*'s inputs have mean 3*r*). BatchNorm updates its running mean from the batch it sees, so
@@ -400,8 +403,11 @@ for mode, title in (("default", "default (forward_sync_buffers=None -> True)"),
 # So under DDP, BatchNorm's running statistics are **rank 0's**, refreshed from rank 0 at each
 # training forward — not an average over ranks (`SyncBatchNorm` computes batch statistics over
 # all ranks). After the last training step each rank holds its own update: evaluate and save
-# from rank 0. The broadcast costs one collective per forward, which a model without buffers
-# never pays (`will_sync_module_buffers` checks `len(self.modules_buffers) > 0`).
+# from rank 0. The broadcast costs collectives (one per dtype of the buffers: two for BatchNorm,
+# float32 statistics and an int64 counter) in each forward that follows a training forward, not
+# in every forward: after a `no_grad` forward or one inside `no_sync()` the next forward skips it
+# (chapter 07, section 3, counts them). A model without buffers never pays it
+# (`will_sync_module_buffers` checks `len(self.modules_buffers) > 0`).
 #
 # ### 2.3 Buckets, read from the buckets themselves
 #
@@ -612,9 +618,9 @@ for billions in (1, 3, 7, 13, 70):
 #   DDP's bytes; its cost is the per-iteration replication, the missing overlap, the GIL and the
 #   work piled on device 0.
 # * DDP: one process per device; rank 0's parameters broadcast once, at construction; rank 0's
-#   buffers broadcast again at the start of every training forward (by default); gradients
-#   all-reduced in buckets (25 MiB; a 1 MiB first bucket only when `bucket_cap_mb` is left
-#   unset) during backward; every rank holds **everything** — 4 x the parameters with Adam, 5 x
+#   buffers broadcast again at the start of each forward that follows a training forward
+#   (by default); gradients all-reduced in buckets (25 MiB; a 1 MiB first bucket only when
+#   `bucket_cap_mb` is left unset) during backward; every rank holds **everything** — 4 x the parameters with Adam, 5 x
 #   with the default bucket copy.
 # * FSDP2: every rank holds 1/N of parameters, gradients and optimizer state, all-gathers each
 #   layer just in time, reduce-scatters gradients; 1.5 x DDP's traffic.

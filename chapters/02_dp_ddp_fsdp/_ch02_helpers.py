@@ -68,7 +68,8 @@ SOURCE = {
     "broadcast_backward_reduce": ("torch/nn/parallel/_functions.py", 38, 44),
     "comm_broadcast_coalesced": ("torch/nn/parallel/comm.py", 50, 67),
     "comm_reduce_add_nccl": ("torch/nn/parallel/comm.py", 109, 111),
-    # DDP's buffers: broadcast from rank 0 at the start of every forward, by default.
+    # DDP's buffers: broadcast from rank 0 at the start of a forward whose previous forward ran
+    # with gradients enabled outside no_sync (require_forward_param_sync), by default.
     "ddp_forward_sync_buffers_default": ("torch/nn/parallel/distributed.py", 982, 990),
     "ddp_pre_forward_sync_buffers": ("torch/nn/parallel/distributed.py", 1781, 1782),
     "ddp_forward_param_sync_flag": ("torch/nn/parallel/distributed.py", 1828, 1841),

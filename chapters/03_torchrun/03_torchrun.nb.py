@@ -304,8 +304,8 @@ show_source(DynamicRendezvousHandler.next_rendezvous, r"TORCH_DISABLE_SHARE|_boo
 # attempt: `benchmarks/ch03_restart_races.py` repeats the runs and writes the counts, with the
 # machine, date, torch version, load and command, to `benchmarks/results/ch03_restart_races.json`.
 # In that recorded run plain `env://` failed in 5 of 6 runs; the private prefix in 0 of
-# 6, the fresh store in 0 of 6. (Earlier versions of this chapter quoted counts from
-# runs that were never recorded; these replace them.)
+# 6, the fresh store in 0 of 6. These are counts of one recorded machine: a race's odds move
+# with the load and the core count, so read them as "it happens, often", not as a rate.
 
 # %%
 from ddpcourse.timing import describe, load_reference

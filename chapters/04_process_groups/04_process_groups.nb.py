@@ -291,8 +291,9 @@ plt.show()
 #
 # ### How DDP averages: divide, then all-reduce with SUM
 #
-# A common description, and this chapter's earlier text, has DDP all-reduce the gradients and
-# "then divide by N". The order is the other way round. DDP's reducer divides each gradient by N
+# A common description (blog posts, and the DDP notes' own summary "gradients are averaged
+# across processes") has DDP all-reduce the gradients and "then divide by N". The order is the
+# other way round. DDP's reducer divides each gradient by N
 # *while copying it into its bucket* (one pass over the data instead of two), then all-reduces the
 # bucket with plain SUM:
 #

@@ -429,12 +429,13 @@ for n in (2, 4):
 #   what 2 shared CPU cores can copy, add and push through loopback TCP: it says nothing about a
 #   GPU interconnect (measure that with nccl-tests).
 #
-# What changed from our earlier text: it printed a sweep table from runs it had not recorded, took
-# medians of 10 repeats, and concluded that the hand ring keeps up with gloo. In that table ring
-# and halving-doubling, the same exchanges on 2 ranks, differed by 2.7× at 4 KiB, and a reviewer's
-# live run on a loaded machine measured 8.8 ms against 1.07 ms: medians of a few repeats on a
-# busy small VM measure its scheduler. The table is gone; the records above replace it, and the
-# conclusion is now the one they support.
+# Why not simply print a table of medians from a live run, as benchmark write-ups usually do?
+# Because medians of a few repeats on a busy small VM measure its scheduler: such a table can
+# make the hand ring "keep up with gloo" on one run and lose by several times on the next, and
+# on 2 ranks it can show ring and halving-doubling, the very same exchanges, far apart. The
+# gauge in the live cell above shows that on your machine: wherever the two differ by more than
+# its tolerance, the load, not the algorithm, set the times. The conclusions here rest on the
+# records, which state their load and passed their own checks.
 
 # %% [markdown]
 # ## 7. From averaged gradients to DDP: three designs

@@ -220,8 +220,9 @@ for n, world_size in ((10, 3), (7, 2), (9, 3)):
 #   variance, for instance),
 #   `forward_sync_buffers` is on (the default; torch 2.13 deprecates its old name
 #   `broadcast_buffers`), and `require_forward_param_sync` is set, which it is after construction
-#   and after every forward with gradients enabled (`_post_forward`; a forward under `no_grad`
-#   clears it): the first evaluation forward after training broadcasts, which is enough to hang;
+#   and after every forward with gradients enabled outside `no_sync()` (`_post_forward`; a
+#   forward under `no_grad` or inside `no_sync()` clears it): the first evaluation forward after
+#   training broadcasts, which is enough to hang (chapter 07, section 3, counts the broadcasts);
 # * with gradients enabled, the first forward after the first backward **rebuilds the gradient
 #   buckets** and broadcasts their order from rank 0 (`self.reducer._rebuild_buckets()`; "this
 #   function makes broadcast communication call", `rebuild_buckets` in

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from ddpcourse.dist_env import process_group, short_timeout_group
+from ddpcourse.report import report_checks
 from ddpcourse.toys import make_model, make_regression
 
 
@@ -139,11 +140,12 @@ def main() -> int:
         for name, value in results.items():
             print(f"  {name:<15} MSE = {value:.6f}")
         reference = results["single process"]
-        ok = (abs(results["de-duplicated"] - reference) < 1e-6
-              and abs(results["sum and count"] - reference) < 1e-6
-              and (padded == 0 or abs(results["naive"] - reference) > 1e-6))
-        print("checks:", "passed" if ok else "FAILED")
-        return 0 if ok else 1
+        problems = [f"{way} MSE {results[way]:.9f} is not the single process's {reference:.9f}"
+                    for way in ("de-duplicated", "sum and count")
+                    if abs(results[way] - reference) >= 1e-6]
+        if padded and abs(results["naive"] - reference) <= 1e-6:
+            problems.append(f"the naive mean ignored the {padded} repeated samples")
+        return report_checks(problems)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,10 @@
 # |---|---|
 # | 1. Wrapping: placement, `device_ids`, what the constructor does, buckets, `model.module` | `wrapping.py` |
 # | 2. Unused parameters: the error, `TORCH_DISTRIBUTED_DEBUG`, the fixes in order, their cost | `unused_parameters.py` |
-# | 3. Buffers: rank 0's at every forward, `broadcast_buffers`, SyncBatchNorm | `buffers.py` |
+# | 3. Buffers: rank 0's, in the forwards that sync them; `broadcast_buffers`, SyncBatchNorm | `buffers.py` |
 # | 4. Seeds: what must be equal, what must differ, what drifts | `seeds_and_replicas.py` |
-# | 5. Gradient accumulation: `no_sync()`, the off-by-one, loss scaling | `accumulation.py` |
-# | 6. Loss and logging: gradients are averaged, never the loss; global metrics | `loss_and_logging.py` |
+# | 5. Loss and logging: gradients are averaged, never the loss; global metrics | `loss_and_logging.py` |
+# | 6. Gradient accumulation: `no_sync()`, the off-by-one, loss scaling | `accumulation.py` |
 # | 7. Mixed precision: autocast, GradScaler, what the all-reduce carries | `mixed_precision.py` |
 # | 8. `torch.compile` with DDP | `compile_with_ddp.py` |
 # | 9. A complete training script | `train.py` |
@@ -46,7 +46,7 @@
 # **Article claims checked here.** The source article has advice on each of these topics. Where
 # it is wrong or out of date, the section says so and shows the experiment: `find_unused_parameters`
 # and its "workarounds" (section 2), buffers and seeds (3, 4), "the loss must be a scalar or DDP
-# won't know what to sync" (6), `torch.cuda.amp` (7).
+# won't know what to sync" (5), `torch.cuda.amp` (7).
 
 # %%
 import sys
@@ -292,7 +292,7 @@ for name, value in keys.items():
 # there is no extra metadata, only the prefix on the same tensors.
 #
 # **Evaluate on rank 0 alone through `model.module`**, never through the wrapper: the wrapper's
-# forward runs collectives (the buffer broadcast at every forward, the one-time bucket rebuild)
+# forward runs collectives (the buffer broadcast of section 3, the one-time bucket rebuild)
 # that wait for ranks that are not there. After one training step, rank 0 evaluates while rank 1
 # waits at a barrier (DDP on a 2-second group):
 
@@ -394,10 +394,14 @@ print("indices in the message:", bug["indices"])
 # %% [markdown]
 # ### 2. Which parameters? `TORCH_DISTRIBUTED_DEBUG=INFO`
 #
-# With the debug level at `INFO` (or `DETAIL`), DDP builds a name for every parameter at
-# construction (`_build_debug_param_to_name_mapping`,
-# [L1593](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1593))
-# and the error names them. The level is read from the environment **when `torch.distributed` is
+# DDP builds a name for every parameter at construction, whatever the debug level
+# (`_build_debug_param_to_name_mapping`, called unconditionally in `__init__`,
+# [L1593](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1593)),
+# and hands the map to the C++ `Reducer`. The reducer reads the debug level when it is built
+# (its `ddp_debug_level_`, in torch/csrc/distributed/c10d/reducer.hpp) and decides from it what
+# the "prior iteration" error says: at `OFF` it lists the unreduced parameters' indices and
+# tells you to set `TORCH_DISTRIBUTED_DEBUG`; at `INFO` (or `DETAIL`) it names them. So the
+# level has to be set before `DDP(...)` builds the reducer. The level is read from the environment **when `torch.distributed` is
 # imported** ([torch/distributed/\_\_init\_\_.py L170](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/__init__.py#L170)),
 # so for a script set it on the command line: `TORCH_DISTRIBUTED_DEBUG=INFO torchrun ...`. In a
 # process that has already imported torch (a notebook, a rank forked from a warm server),
@@ -479,7 +483,8 @@ for fix, w in run_ranks(up.costs, 2)[0].items():
 # %% [markdown]
 # Three costs, all deterministic:
 #
-# * **a search of the autograd graph at every forward**: `_post_forward` passes the outputs to
+# * **a search of the autograd graph at every training forward** (gradients enabled, outside
+#   `no_sync()`): `_post_forward` passes the outputs to
 #   `Reducer::prepare_for_backward`, which walks every node reachable from them
 #   (`search_unused_parameters`) to find the gradient accumulators not in the graph
 #   ([L1830-L1840](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1830-L1840));
@@ -633,7 +638,7 @@ for name, r in run_ranks(up.run_experiments, 2, checkpointed)[0].items():
 # and dummy collectives do not fix it, and reentrant checkpointing with the flag breaks.
 
 # %% [markdown]
-# ## Buffers: rank 0's copy wins, at construction and at every forward
+# ## Buffers: rank 0's copy wins, at construction and in the forwards that sync them
 #
 # **The problem.** A model holds two kinds of state. *Parameters* get gradients, and DDP keeps
 # them equal by averaging the gradients. *Buffers* (tensors registered with `register_buffer`:
@@ -647,11 +652,18 @@ for name, r in run_ranks(up.run_experiments, 2, checkpointed)[0].items():
 # * in the constructor, together with the parameters: `DistributedDataParallel.__init__` calls
 #   `_sync_module_states` ([torch/distributed/utils.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L315)),
 #   guarded by `init_sync` ([distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1062-L1073));
-# * at the start of **every forward**: `_pre_forward` calls `_sync_buffers`, which broadcasts from
-#   rank 0 (`authoritative_rank = 0`, or a rank still running under `Join`) through
-#   `_sync_module_buffers` and `_default_broadcast_coalesced`
+# * at the start of a forward, **when the previous forward through the wrapper ran with gradients
+#   enabled and outside `no_sync()`** (or when it is the first forward): `_pre_forward` calls
+#   `_sync_buffers`, which broadcasts from rank 0 (`authoritative_rank = 0`, or a rank still
+#   running under `Join`) through `_sync_module_buffers` and `_default_broadcast_coalesced`
 #   ([distributed.py, `_pre_forward`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1744-L1782),
-#   [`_sync_buffers`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2405-L2450)).
+#   [`_sync_buffers`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2405-L2450)),
+#   if `will_sync_module_buffers()` holds: buffers present, `forward_sync_buffers` on, and
+#   `require_forward_param_sync` set
+#   ([L2382-L2387](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2382-L2387)).
+#   The constructor sets that flag; `_post_forward` sets it after a forward with gradients
+#   enabled outside `no_sync()` and clears it after any other
+#   ([L1828-L1841](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1828-L1841)).
 #
 # Script: `buffers.py` (`torchrun --standalone --nproc_per_node 2
 # chapters/07_training_loop/buffers.py`; it checks every claim of this section and exits non-zero
@@ -697,10 +709,44 @@ for mode in bf.SYNC_MODES:
 # and the docstrings of both arguments). The warning itself says: keep using
 # `broadcast_buffers=False` if you rely on buffers *not* being synced at construction.
 #
-# Two consequences to remember. The broadcast is a collective in *every* forward, also in
-# `eval()` and under `torch.no_grad()`: a forward through the DDP wrapper on rank 0 alone waits
-# for the other ranks (chapter 06, "evaluation on rank 0"). And with `forward_sync_buffers=False`
-# nothing ever makes the buffers equal again after construction.
+# With `forward_sync_buffers=False` nothing ever makes the buffers equal again after
+# construction.
+#
+# ### Which forwards broadcast: counted
+#
+# "DDP broadcasts the buffers at every forward" is how most write-ups put it (the source article
+# too, section 3.3: `broadcast_buffers=True` broadcasts them "to keep BN statistics consistent").
+# The rule in torch 2.13 is the flag above: a forward broadcasts when the *previous* forward
+# through the wrapper ran with gradients enabled and outside `no_sync()`. Counted, not timed:
+# `bf.broadcasts_per_forward` runs a DDP `Linear` + `BatchNorm1d` through two training steps
+# (the second also broadcasts the rebuilt buckets' order, once per run), then the forwards below,
+# and counts the `gloo:broadcast` events torch.profiler records in each:
+
+# %%
+broadcasts = run_ranks(bf.broadcasts_per_forward, 2)
+for (label, count), (_, r1_count) in zip(*broadcasts):
+    print(f"{label:<46} rank 0: {count}  rank 1: {r1_count}")
+print("checks:", bf.check_broadcasts_per_forward(broadcasts) or "all passed")
+
+# %% [markdown]
+# A forward that syncs runs **two** broadcasts, the same on every rank: the buffers are
+# coalesced into one broadcast per dtype, BatchNorm's float32 `running_mean`/`running_var` and
+# its int64 `num_batches_tracked`. And:
+#
+# * **evaluation**: the *first* `no_grad` forward after training broadcasts (the previous
+#   forward was a training one); the second and third do not. `eval()` mode decides nothing: the
+#   last row, an `eval()` forward with gradients enabled, broadcasts.
+# * **the first training forward after an evaluation does not broadcast**: the forward before it
+#   ran under `no_grad`. Evaluation does not change BatchNorm's buffers (in `eval()` it reads
+#   them), so nothing is lost; the training step after it broadcasts again.
+# * **accumulation** (section 6): only the first micro-batch of each window broadcasts, the one
+#   after the synced micro-batch that closed the previous window. Inside a window each rank's
+#   BatchNorm updates its own statistics, and rank 0's overwrite them at the next window.
+#
+# Two consequences to remember. Evaluating through the wrapper on rank 0 alone hangs at its
+# first forward after training (a broadcast the other ranks never join: chapter 06, "evaluation
+# on rank 0"); evaluate through `model.module`. And a rule of thumb like "one broadcast per
+# forward" overcounts: to know what a loop communicates, count it, as here.
 #
 # ### What DDP holds on to: names of buffers, objects of parameters
 #
@@ -781,10 +827,11 @@ plt.show()
 
 # %% [markdown]
 # * **default**: rank 0's statistics are *exactly* those of a BatchNorm that saw only rank 0's
-#   batches. At every forward the others' updates are overwritten by rank 0's buffers; what
-#   rank 0 saves in a checkpoint knows nothing of the other ranks' data. Right after a forward
-#   the ranks differ again (rank 1 holds rank 0's old statistics updated with its own batch), so
-#   "the buffers are equal" holds only at the start of a forward.
+#   batches. At every training forward (each one syncs here: every step runs with gradients,
+#   no `no_sync`) the others' updates are overwritten by rank 0's buffers; what rank 0 saves in
+#   a checkpoint knows nothing of the other ranks' data. Right after a forward the ranks differ
+#   again (rank 1 holds rank 0's old statistics updated with its own batch), so "the buffers are
+#   equal" holds only at the start of a forward that syncs.
 # * **`forward_sync_buffers=False`**: each rank's statistics are those of its own batches.
 #   Averaging them over the ranks (an `all_reduce` and a division) gives the **global running
 #   mean exactly**: the running mean is a linear average of batch means, and with equal batch
@@ -798,8 +845,9 @@ plt.show()
 # **Where the source article is wrong or incomplete** (section 3.3 and the skeleton in 4.3).
 # It says `broadcast_buffers=True` (the default) broadcasts BN's running_mean/running_var from
 # rank 0 "to keep BN statistics consistent" (保证BN统计量一致): the broadcast is real, but what is
-# consistent is rank 0's running statistics, at the start of each forward; the other ranks'
-# updates are discarded, and the statistics used in training are per rank. For domain-adaptation
+# consistent is rank 0's running statistics, at the start of the forwards that sync (after a
+# training forward, not inside an accumulation window); the other ranks' updates are discarded,
+# and the statistics used in training are per rank. For domain-adaptation
 # fine-tuning it suggests `broadcast_buffers=False` and then to "sync manually in forward with
 # `torch.distributed.all_gather`, collect every card's buffers and average them": an `all_reduce`
 # (sum, then divide by the world size) does that averaging without gathering, and as shown it
@@ -872,11 +920,14 @@ else:
 # is far from the whole-batch result; SyncBatchNorm (on GPUs; `tests/test_chapter_07_buffers_and_seeds.py`
 # checks it there) equals one process's BatchNorm on the whole global batch: output, running mean
 # and running variance. Its running statistics are therefore also the same on every rank after
-# every forward, so the default buffer broadcast has nothing left to correct.
+# every training forward, so the default buffer broadcast has nothing left to correct.
 #
 # **Buffers, in short.**
-# * DDP broadcasts rank 0's buffers in the constructor and at the start of every forward; it
-#   never averages them. Rank 0's BatchNorm statistics come from rank 0's data alone.
+# * DDP broadcasts rank 0's buffers in the constructor and at the start of each forward whose
+#   previous forward ran with gradients enabled outside `no_sync()` (counted: the first of an
+#   evaluation does, the next ones and the first training forward after it do not; in an
+#   accumulation window only the first micro-batch). It never averages them. Rank 0's BatchNorm
+#   statistics come from rank 0's data alone.
 # * `broadcast_buffers=False` (deprecated in 2.13) also skips the constructor's broadcast;
 #   `forward_sync_buffers=False` skips only the forward's.
 # * Reassigning a registered buffer is fine in torch 2.13; a plain tensor attribute, a buffer
@@ -1071,6 +1122,151 @@ for name, curve in curves.items():
 #   EMA of buffers does not unless you average them.
 
 # %% [markdown]
+# ## The loss: what DDP averages, what it never touches, and how to log it
+#
+# **The problem.** In a DDP loop every rank computes `loss = loss_fn(model(x), y)` on its own
+# batch and calls `loss.backward()`. Which loss is that, what does DDP do with it, and what should
+# rank 0 write to the log?
+#
+# **The idea.** DDP never sees the loss. Its reducer hooks into the *parameters*: when a
+# parameter's gradient is ready its autograd hook divides it by the world size W while copying
+# it into its bucket, and each full bucket is all-reduced with SUM: the average
+# (`Reducer::mark_variable_ready_dense`, chapter 04;
+# [DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)). The loss tensor stays on
+# its rank, unchanged. Everything in this section follows from that.
+#
+# Script: `loss_and_logging.py` (`torchrun --standalone --nproc_per_node 2
+# chapters/07_training_loop/loss_and_logging.py`; it checks each claim below).
+
+# %%
+from ddpcourse.toys import make_model
+
+import loss_and_logging as ll
+
+# %% [markdown]
+# ### Each rank's loss is its own; the gradients are shared
+#
+# One DDP forward and backward, each rank on its own 4 samples:
+
+# %%
+result = run_ranks(ll.own_loss_shared_gradient, 2)[0]
+print("loss on each rank:           ", result["loss on each rank"])
+print("gradient spread across ranks:", result["gradient spread across ranks"])
+
+# %% [markdown]
+# The gradients are identical on both ranks (spread 0.0: the all-reduce), the losses are not. So
+# `print(loss.item())` on rank 0 prints the loss of rank 0's batch, a 1/W sample of the step. With
+# equal batch sizes and a mean loss, the step's gradient is the gradient of the *mean of the
+# ranks' losses*; to log that number you have to all-reduce the losses yourself (below).
+#
+# ### "The loss must be a scalar, or DDP won't know what to sync": wrong
+#
+# The source article (section 4.3, its "iron rule two") says:
+# "loss必须是标量。model(batch)返回的是tensor.mean()或.sum()必不可少。否则DDP不知道同步哪个值。"
+# (the loss must be a scalar; model(batch) returns a tensor, `.mean()` or `.sum()` is
+# indispensable, otherwise DDP does not know which value to synchronise). The rule exists, but it
+# is autograd's, and it has nothing to do with DDP. No process group, no DDP:
+
+# %%
+per_sample = make_model(0)(torch.randn(4, 8)).squeeze(1)  # 4 values, one per sample
+try:
+    per_sample.backward()
+except RuntimeError as error:
+    print("RuntimeError:", error)
+
+# %% [markdown]
+# `backward()` without arguments needs a starting gradient d(output)/d(output); autograd can only
+# make one up (the number 1.0) for a single number. The error comes from `_make_grads` in
+# [torch/autograd/\_\_init\_\_.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/autograd/__init__.py#L209),
+# before any gradient exists. Give autograd that starting gradient and a vector loss trains under
+# DDP like any other. `ll.non_scalar_backward` does the backward of a per-sample loss vector on a
+# plain model, on DDP, and on DDP with `gradient=` 1/n for each sample (the gradient of `.mean()`):
+
+# %%
+for name, value in run_ranks(ll.non_scalar_backward, 2)[0].items():
+    print(f"{name}: {value}")
+
+# %% [markdown]
+# Same error with and without DDP; with an explicit gradient, DDP all-reduces once, the ranks'
+# gradients are equal, and they equal those of `.mean().backward()` exactly. DDP never
+# synchronises a "value" of the loss; it synchronises parameter gradients, however the backward
+# was started.
+#
+# ### `reduction="sum"` and DDP's average: gradients W times too small
+#
+# The article treats `.mean()` and `.sum()` as interchangeable. Under DDP they are not
+# interchangeable with a single process either way. DDP divides by W (without a hook the reducer
+# multiplies each gradient by 1/W as it enters the bucket, then sums; the documented
+# `allreduce_hook` does `tensor.div_(group_to_use.size())` before its SUM all-reduce,
+# [default_hooks.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py#L18-L32)).
+# Averaging per-rank *means* over equal shards gives the global mean's gradient; averaging
+# per-rank *sums* gives 1/W of the global sum's. "Too small" needs a baseline, and there are
+# two: against **one process summing the same global batch** the DDP gradient is **W times too
+# small** (this heading, measured below); against **one process summing a single rank's
+# batch** (the loss you would write on one GPU with the per-rank batch size) it is of the same
+# scale, since each rank's summed gradient grows with its own rows and DDP averages those:
+
+# %%
+for world_size in (2, 3):
+    print(f"W = {world_size}")
+    for name, value in run_ranks(ll.summed_loss, world_size)[0].items():
+        print(f"    {name}: {value}")
+
+# %% [markdown]
+# Two kinds of figure. The first two lines are **per-element ratios** (min, max over the nonzero
+# gradient entries): exactly W when the single process adds the shards' sums in DDP's order on 2
+# ranks (2.0, 2.0: halving is exact), and otherwise W to within a few parts in 1e5 (3.4e-5 at
+# most here, on 3 ranks), because a small entry is the difference of larger terms and its
+# rounding is large against it. The third
+# line compares **whole vectors**: the largest error of W x DDP's sum, relative to the largest
+# gradient entry, about 1e-7, which is float32 rounding (machine epsilon 1.2e-7). If you mean a global sum, multiply each rank's loss by W (or
+# raise the learning rate by W). A summed loss is also proportional to the batch size, so it
+# changes with the number of ranks and with uneven last batches; a mean loss does not.
+#
+# ### Logging a global metric: sums and counts, not the mean of means
+#
+# The last batch of an epoch, an unpadded evaluation split, `Join` with uneven inputs (chapter
+# 06): shards often have different sizes. `ll.global_metrics` evaluates a fixed 3-class model on
+# 12 samples split 9 / 3, four ways: rank 0's own numbers, the all-reduced mean of the ranks'
+# means, all-reduced sums and counts divided at the end, and one process reading the same batches.
+
+# %%
+metrics = run_ranks(ll.global_metrics, 2)[0]
+ways = [k for k in metrics if k != "shard sizes"]
+for way in ways:
+    print(f"{way:<30} loss {metrics[way][0]:.10f}  accuracy {metrics[way][1]:.6f}")
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 3))
+for i, (ax, what) in enumerate(zip(axes, ("mean loss", "accuracy"))):
+    values = [metrics[way][i] for way in ways]
+    ax.barh(ways, values, color=["tab:gray", "tab:red", "tab:green", "tab:blue"])
+    ax.set_xlim(min(values) * 0.97, max(values) * 1.01)
+    ax.set_title(f"{what}, shards of {metrics['shard sizes']}")
+    ax.invert_yaxis()
+axes[1].set_yticks([])
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The mean of means gives each of rank 1's 3 samples three times the weight of one of rank 0's 9:
+# its accuracy is off (0.389 instead of 0.417 here). Sums and counts give the accuracy *exactly*
+# (integer counts; all-reduce them in float64 or int64 so nothing rounds) and the loss to the last
+# float64 bit here. The reference reads the same batches: a float32 forward of 12 rows and one of
+# 9 + 3 rows differ in their last bits (measured about 1e-8 relative), which is the model's
+# arithmetic, not the logging's. With equal shards the mean of means is right too:
+
+# %%
+even = run_ranks(ll.global_metrics, 2, [6, 6])[0]
+print("mean of per-rank means:", even["mean of per-rank means"])
+print("single process:        ", even["single process"])
+
+# %% [markdown]
+# The recipe, as in chapter 06's evaluation: each rank accumulates `[sum of losses, number
+# correct, number of samples]` in float64 over its batches, one `all_reduce` at the end, divide.
+# Log on rank 0 after the all-reduce, which every rank must call. Reducing with
+# `ReduceOp.AVG` instead of `SUM` does not help: it averages the ranks' means the same way.
+
+# %% [markdown]
 # ## Gradient accumulation: `no_sync()` around the forward *and* the backward
 #
 # **The problem.** The batch you want does not fit in memory; you can afford micro-batches of a
@@ -1144,40 +1340,43 @@ for placement in acc.PLACEMENTS:
 # carries it out. `no_sync`'s own docstring says it too: "The forward pass should be included
 # inside the context manager, or else gradients will still be synchronized."
 #
-# ### A loop that accumulates k micro-batches
+# ### One optimizer step from two micro-batches
 #
-# Here is a correct loop for a fixed k and a number of micro-batches that is a multiple of k. Each
-# rank trains its own micro-batches (rank r takes every W-th of a shared list):
+# Here is the idea in its smallest form, unrolled: one optimizer step from k = 2 micro-batches per
+# rank (rank r takes every W-th of a shared list), the first kept local, the second
+# synchronised:
 
 # %%
-def train_accumulating(rank, world_size, k=4, groups=3):
+def one_accumulated_step(rank, world_size):
     model, log = acc.counted_ddp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    mine = acc.micro_batches(groups * k * world_size)[rank::world_size]
-    for start in range(0, len(mine), k):
-        *first, last = mine[start:start + k]
-        for x, y in first:                    # k - 1 micro-batches: no all-reduce ...
-            with model.no_sync():             # ... forward AND backward inside
-                (acc.MSE(model(x), y) / k).backward()
-        x, y = last                           # this backward all-reduces the whole sum
-        (acc.MSE(model(x), y) / k).backward()
-        optimizer.step()
-        optimizer.zero_grad()                 # after the step, not between micro-batches
+    (x1, y1), (x2, y2) = acc.micro_batches(2 * world_size)[rank::world_size]
+    with model.no_sync():                      # micro-batch 1: forward AND backward inside,
+        (acc.MSE(model(x1), y1) / 2).backward()  # so its gradient stays on this rank
+    (acc.MSE(model(x2), y2) / 2).backward()      # micro-batch 2: all-reduces the sum of both
+    optimizer.step()
+    optimizer.zero_grad()
     return {"all-reduce calls": log.calls,
             "parameter spread across ranks": acc.spread_across_ranks(flat_parameters(model.module))}
 
-print(run_ranks(train_accumulating, 2)[0])
+print(run_ranks(one_accumulated_step, 2)[0])
 
 # %% [markdown]
-# Twelve micro-batches, three optimizer steps, **three** all-reduces, and replicas that are still
+# Two micro-batches, one optimizer step, **one** all-reduce, and replicas that are still
 # identical. Three things in it matter:
 #
-# * `/ k`: `.grad` *adds* the k backwards. Dividing each micro-batch's (mean) loss by k makes the
-#   sum the mean gradient over the k micro-batches, what one batch k times larger would give.
+# * `/ 2`, the number of micro-batches in the step: `.grad` *adds* the backwards. Dividing each
+#   micro-batch's (mean) loss by their number makes the sum the mean gradient over them, what one
+#   batch that many times larger would give.
 # * `zero_grad()` once per optimizer step. Zeroing between micro-batches throws away what was
 #   accumulated.
 # * The step comes right after the synchronised backward, which all-reduced everything the
 #   `no_sync()` backwards had accumulated.
+#
+# A real loop does this over a whole list of micro-batches: groups of k, the right micro-batch of
+# each group synchronised, a last group that may be shorter than k, and a loss to log that is the
+# same on every rank. That loop is the exercise `train_steps` (end of the chapter); the
+# experiments below show what goes wrong when one of those decisions is off.
 #
 # ### Off by one: the replicas drift apart, and nothing says so
 #
@@ -1244,6 +1443,62 @@ for world_size in (2, 3):
 # order than the mean of two means of 4. Without the division by k the accumulated gradient is
 # exactly k times DDP's (ratio 2.0 on 2 ranks): the same as multiplying the learning rate by k.
 #
+# ### Gradient clipping in an accumulation window
+#
+# `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` scales the gradients down when
+# their total norm exceeds `max_norm`. Under DDP, *when* you call it decides *which* gradient it
+# measures. After the synchronised backward every rank holds the averaged gradient: the same
+# norm everywhere, the norm one process would compute on the global batch. Inside `no_sync()`
+# each rank holds only its own partial sum. `acc.clipping` trains k = 2 micro-batches per step
+# on 2 ranks with `max_norm=0.01` (so every step clips), clipping either after the synced
+# backward or after every backward, and compares with one process that accumulates all the
+# step's micro-batches and clips once:
+
+# %%
+clip_runs = {where: run_ranks(acc.clipping, 2, where) for where in acc.CLIPPINGS}
+for where, per_rank in clip_runs.items():
+    print(f"clip {where:<42} norm clipped at step 1, per rank: "
+          f"{[round(r['first norm clipped, this rank'], 4) for r in per_rank]}, one process: "
+          f"{per_rank[0]['first norm clipped, one process']:.4f}; replicas apart by "
+          f"{per_rank[0]['parameter spread across ranks']:.3g}; off one process by "
+          f"{per_rank[0]['max |DDP - one process|']:.3g}")
+print("checks:", acc.check_clipping(clip_runs) or "all passed")
+
+# %% [markdown]
+# Clipped after the sync, both ranks see one process's norm and end where it ends, up to float32
+# rounding. Clipped inside the window, each rank measures its own partial gradient (two
+# different norms, neither the global one), scales it by its own factor, and the sync then
+# averages what each rank clipped: the replicas stay equal (nothing warns), but the training is
+# no longer the global batch's. Clip once per optimizer step, after the synchronised backward
+# and before `optimizer.step()` (with a `GradScaler`, after `scaler.unscale_(optimizer)`).
+#
+# ### `gradient_as_bucket_view=True` in an accumulation window
+#
+# By default DDP keeps the gradients twice: in each parameter's `.grad` and in its flat
+# communication buckets. `DDP(..., gradient_as_bucket_view=True)` makes every `.grad` a view into
+# its bucket, saving that copy (the constructor's docstring). Does that hold inside `no_sync()`,
+# where the reducer does not run? `acc.bucket_views` records, after every micro-batch's backward
+# (k = 4, three steps), whether every `.grad` lives in the storage of the bucket DDP all-reduced
+# (`B`) or elsewhere (`.`), for both ways of clearing the gradients, and compares the trained
+# parameters with `gradient_as_bucket_view=False`:
+
+# %%
+for set_to_none in (True, False):
+    r = run_ranks(acc.bucket_views, 2, set_to_none)[0]
+    marks = "".join("B" if b else "." for b in r["grads in the bucket after each micro-batch"])
+    print(f"zero_grad(set_to_none={set_to_none!s:<5}): {marks}   same parameters as without "
+          f"bucket views: {r['same parameters as without bucket views']}")
+
+# %% [markdown]
+# The numbers are the same either way. The memory is not: after `zero_grad()` with its default
+# `set_to_none=True` the gradients are gone, the first backward of the next window runs under
+# `no_sync()` without the reducer and allocates fresh `.grad` tensors, and only the synchronised
+# backward copies them into the bucket and makes them views again (`...B` in every window):
+# inside the window the gradients exist twice, as without the option. With
+# `optimizer.zero_grad(set_to_none=False)` the gradients are zeroed in place and stay bucket
+# views from the first sync on. So with accumulation and `gradient_as_bucket_view=True`, zero
+# the gradients with `set_to_none=False` to keep the saving.
+#
 # **The source article on accumulation** (section 6.3): "gradient_accumulation_steps: 当单卡batch
 # 受限时用梯度累积模拟大batch，但会增加通信次数" (when the per-GPU batch is limited, accumulation
 # simulates a large batch, but it increases the number of communications). It increases them only
@@ -1256,141 +1511,6 @@ for world_size in (2, 3):
 # micro-batch of a group. Divide the loss by k. Zero the gradients after the step. Drifting
 # replicas raise nothing: compare parameters across ranks when in doubt. The loop above assumes
 # the number of micro-batches is a multiple of k.
-
-# %% [markdown]
-# ## The loss: what DDP averages, what it never touches, and how to log it
-#
-# **The problem.** In a DDP loop every rank computes `loss = loss_fn(model(x), y)` on its own
-# batch and calls `loss.backward()`. Which loss is that, what does DDP do with it, and what should
-# rank 0 write to the log?
-#
-# **The idea.** DDP never sees the loss. Its reducer hooks into the *parameters*: when a
-# parameter's gradient is ready its autograd hook marks it, and full buckets of gradients are
-# all-reduced and divided by the world size W
-# ([DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)). The loss tensor stays on
-# its rank, unchanged. Everything in this section follows from that.
-#
-# Script: `loss_and_logging.py` (`torchrun --standalone --nproc_per_node 2
-# chapters/07_training_loop/loss_and_logging.py`; it checks each claim below).
-
-# %%
-from ddpcourse.toys import make_model
-
-import loss_and_logging as ll
-
-# %% [markdown]
-# ### Each rank's loss is its own; the gradients are shared
-#
-# One DDP forward and backward, each rank on its own 4 samples:
-
-# %%
-result = run_ranks(ll.own_loss_shared_gradient, 2)[0]
-print("loss on each rank:           ", result["loss on each rank"])
-print("gradient spread across ranks:", result["gradient spread across ranks"])
-
-# %% [markdown]
-# The gradients are identical on both ranks (spread 0.0: the all-reduce), the losses are not. So
-# `print(loss.item())` on rank 0 prints the loss of rank 0's batch, a 1/W sample of the step. With
-# equal batch sizes and a mean loss, the step's gradient is the gradient of the *mean of the
-# ranks' losses*; to log that number you have to all-reduce the losses yourself (below).
-#
-# ### "The loss must be a scalar, or DDP won't know what to sync": wrong
-#
-# The source article (section 4.3, its "iron rule two") says:
-# "loss必须是标量。model(batch)返回的是tensor.mean()或.sum()必不可少。否则DDP不知道同步哪个值。"
-# (the loss must be a scalar; model(batch) returns a tensor, `.mean()` or `.sum()` is
-# indispensable, otherwise DDP does not know which value to synchronise). The rule exists, but it
-# is autograd's, and it has nothing to do with DDP. No process group, no DDP:
-
-# %%
-per_sample = make_model(0)(torch.randn(4, 8)).squeeze(1)  # 4 values, one per sample
-try:
-    per_sample.backward()
-except RuntimeError as error:
-    print("RuntimeError:", error)
-
-# %% [markdown]
-# `backward()` without arguments needs a starting gradient d(output)/d(output); autograd can only
-# make one up (the number 1.0) for a single number. The error comes from `_make_grads` in
-# [torch/autograd/\_\_init\_\_.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/autograd/__init__.py#L209),
-# before any gradient exists. Give autograd that starting gradient and a vector loss trains under
-# DDP like any other. `ll.non_scalar_backward` does the backward of a per-sample loss vector on a
-# plain model, on DDP, and on DDP with `gradient=` 1/n for each sample (the gradient of `.mean()`):
-
-# %%
-for name, value in run_ranks(ll.non_scalar_backward, 2)[0].items():
-    print(f"{name}: {value}")
-
-# %% [markdown]
-# Same error with and without DDP; with an explicit gradient, DDP all-reduces once, the ranks'
-# gradients are equal, and they equal those of `.mean().backward()` exactly. DDP never
-# synchronises a "value" of the loss; it synchronises parameter gradients, however the backward
-# was started.
-#
-# ### `reduction="sum"` and DDP's average: gradients W times too small
-#
-# The article treats `.mean()` and `.sum()` as interchangeable. Under DDP they are not
-# interchangeable with a single process either way. DDP divides by W
-# (`allreduce_hook` does `tensor.div_(group_to_use.size())`,
-# [default_hooks.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py#L18-L32);
-# without a hook the reducer multiplies by 1/W). Averaging per-rank *means* over equal shards
-# gives the global mean's gradient; averaging per-rank *sums* gives 1/W of the global sum's:
-
-# %%
-for world_size in (2, 3):
-    print(f"W = {world_size}")
-    for name, value in run_ranks(ll.summed_loss, world_size)[0].items():
-        print(f"    {name}: {value}")
-
-# %% [markdown]
-# The factor is exactly W when the single process adds the shards' sums in DDP's order (2.0, 2.0
-# on 2 ranks, where halving is exact), and W up to float32 rounding (relative 1e-7) when it sums
-# the global batch in one go. If you mean a global sum, multiply each rank's loss by W (or
-# raise the learning rate by W). A summed loss is also proportional to the batch size, so it
-# changes with the number of ranks and with uneven last batches; a mean loss does not.
-#
-# ### Logging a global metric: sums and counts, not the mean of means
-#
-# The last batch of an epoch, an unpadded evaluation split, `Join` with uneven inputs (chapter
-# 06): shards often have different sizes. `ll.global_metrics` evaluates a fixed 3-class model on
-# 12 samples split 9 / 3, four ways: rank 0's own numbers, the all-reduced mean of the ranks'
-# means, all-reduced sums and counts divided at the end, and one process reading the same batches.
-
-# %%
-metrics = run_ranks(ll.global_metrics, 2)[0]
-ways = [k for k in metrics if k != "shard sizes"]
-for way in ways:
-    print(f"{way:<30} loss {metrics[way][0]:.10f}  accuracy {metrics[way][1]:.6f}")
-
-fig, axes = plt.subplots(1, 2, figsize=(10, 3))
-for i, (ax, what) in enumerate(zip(axes, ("mean loss", "accuracy"))):
-    values = [metrics[way][i] for way in ways]
-    ax.barh(ways, values, color=["tab:gray", "tab:red", "tab:green", "tab:blue"])
-    ax.set_xlim(min(values) * 0.97, max(values) * 1.01)
-    ax.set_title(f"{what}, shards of {metrics['shard sizes']}")
-    ax.invert_yaxis()
-axes[1].set_yticks([])
-plt.tight_layout()
-plt.show()
-
-# %% [markdown]
-# The mean of means gives each of rank 1's 3 samples three times the weight of one of rank 0's 9:
-# its accuracy is off (0.389 instead of 0.417 here). Sums and counts give the accuracy *exactly*
-# (integer counts; all-reduce them in float64 or int64 so nothing rounds) and the loss to the last
-# float64 bit here. The reference reads the same batches: a float32 forward of 12 rows and one of
-# 9 + 3 rows differ in their last bits (measured about 1e-8 relative), which is the model's
-# arithmetic, not the logging's. With equal shards the mean of means is right too:
-
-# %%
-even = run_ranks(ll.global_metrics, 2, [6, 6])[0]
-print("mean of per-rank means:", even["mean of per-rank means"])
-print("single process:        ", even["single process"])
-
-# %% [markdown]
-# The recipe, as in chapter 06's evaluation: each rank accumulates `[sum of losses, number
-# correct, number of samples]` in float64 over its batches, one `all_reduce` at the end, divide.
-# Log on rank 0 after the all-reduce, which every rank must call. Reducing with
-# `ReduceOp.AVG` instead of `SUM` does not help: it averages the ranks' means the same way.
 
 # %% [markdown]
 # ## Mixed precision under DDP: autocast, GradScaler, and the bytes on the wire
@@ -1689,12 +1809,17 @@ for name in ("eager", "compile, then DDP"):
 # Both work, and give the same pieces and the same numbers: above, the largest difference
 # between either compiled run and eager DDP, over all gradients and weights after 3 steps, is 0
 # (the check allows float32 rounding, `cw.TOLERANCE` = 1e-6, because nothing guarantees that a
-# compiled graph adds in eager's order; with `aot_eager` on torch 2.13 it does). The docs show
-# the first order: "`torch.compile` specifically doesn't handle distributed wrapper modules like
-# DDP or FSDP very well, so consider applying `torch.compile` to the inner module passed to the
-# wrapper", with `model.compile()` then `DistributedDataParallel(model, ...)`
+# compiled graph adds in eager's order; with `aot_eager` on torch 2.13 it does). **The docs
+# differ on the order.** The DDP notes' section on TorchDynamo's DDPOptimizer shows the second
+# one, `ddp_model = DDP(model, device_ids=[rank])` then `ddp_model = torch.compile(ddp_model)`
+# ([DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)); the newer page on where to
+# apply `torch.compile` shows the first: "`torch.compile` specifically doesn't handle
+# distributed wrapper modules like DDP or FSDP very well, so consider applying `torch.compile`
+# to the inner module passed to the wrapper", with `model.compile()` then
+# `DistributedDataParallel(model, ...)`
 # ([Where to apply torch.compile?](https://docs.pytorch.org/docs/stable/compile/programming_model.where_to_apply_compile.html)).
-# In the other order dynamo traces DDP's own `forward` first (hence the warning "Profiler record
+# What this lesson's run shows settles it for torch 2.13: both orders get the DDPOptimizer's
+# pieces (the same subgraphs, counted above) and the same numbers. In the other order dynamo traces DDP's own `forward` first (hence the warning "Profiler record
 # function ... will be ignored" above: DDP's forward opens a `record_function`) and stops at
 # `_inside_ddp_forward`, which is excluded from tracing; the model inside is compiled as before.
 #
@@ -1703,8 +1828,9 @@ for name in ("eager", "compile, then DDP"):
 # AllReduce gets wrongly optimized". Neither happens: the all-reduces are launched by DDP's
 # autograd hooks, outside any graph, and both orders give bit-identical results above. Its
 # advice that `mode="reduce-overhead"` works best under DDP is not something the docs say;
-# that mode means CUDA graphs, which this CPU lesson cannot test. Its order is the one the docs
-# recommend, for the docs' reason, not the article's.
+# that mode means CUDA graphs, which this CPU lesson cannot test. Its order is the one the newer
+# docs page shows, for that page's reason (dynamo handles the wrapper poorly), not the
+# article's; the DDP notes show the other, and both work.
 #
 # ### Pitfalls
 #
@@ -1750,10 +1876,11 @@ for how, names in keys.items():
     print(f"state_dict keys, {how:<14} {names}")
 
 # %% [markdown]
-# **Summary.** Compile the inner model, then wrap it (`model.compile()`; `DDP(model)`). Keep
-# `optimize_ddp` on: it is what lets DDP overlap all-reduces with a compiled backward, and with a
-# `bucket_cap_mb` of at least 1. The other order works too. `train.py` (next section) does it
-# with `--compile`.
+# **Summary.** Compile the inner model, then wrap it (`model.compile()`; `DDP(model)`), as the
+# newer docs page shows; the DDP notes' order, wrap then compile, gets the same DDPOptimizer
+# pieces and numbers. Keep `optimize_ddp` on: it is what lets DDP overlap all-reduces with a
+# compiled backward, and with a `bucket_cap_mb` of at least 1. `train.py` (next section) does
+# it with `--compile`.
 
 # %% [markdown]
 # ## A complete training script: `train.py`
@@ -1782,31 +1909,23 @@ for how, names in keys.items():
 # | same seed on every rank; data generated from its own seed | `seed_everything`, `build_data` | 4 |
 # | `DistributedSampler`, `set_epoch(epoch)` before every epoch | `build_data`, `train` | chapter 06 |
 # | model on its device, *then* (compiled, then) wrapped | `build_model`, `wrap_model` | 1, 8 |
-# | `no_sync()` around forward **and** backward; loss / window length | `train_one_epoch` | 5 |
+# | `no_sync()` around forward **and** backward; loss / window length | `train_one_epoch` | 6 |
 # | autocast; GradScaler for fp16 only | `autocast`, `train` | 7 |
-# | global mean loss and accuracy from all-reduced sums and counts | `train_one_epoch`, `evaluate` | 6, chapter 06 |
+# | global mean loss and accuracy from all-reduced sums and counts | `train_one_epoch`, `evaluate` | 5, chapter 06 |
 # | evaluation through `model.module`, every sample once | `evaluate` | 1, chapter 06 |
 # | rank 0 saves `model.module.state_dict()`, the others wait | `save` | 1 (chapter 08 goes further) |
 # | tqdm bar on rank 0 only | `train` | |
 # | replicas identical at the end (CRC32 of the weights, `all_gather`) | `gathered_checksums`, `problems` | |
 
 # %%
-import inspect
-
-
-
 import train as tr
 
-print(inspect.getsource(tr.train_one_epoch))
-
 # %% [markdown]
-# The accumulation window: batches `0..k-1` form a window, and only the last batch of each
-# window runs outside `no_sync()`, so DDP all-reduces once per window. When the number of
-# batches is not a multiple of k, the last window is shorter; its loss is divided by its own
-# length, and it still ends in a synchronised backward and an optimizer step (a window that
-# never synchronises would leave the replicas apart: section 5). The loss is accumulated as a
-# tensor on the device and all-reduced once per epoch, not turned into a Python float at every
-# step (`.item()` would wait for the GPU at each step).
+# `train_one_epoch` accumulates over windows of `--accumulation-steps` batches, one all-reduce
+# per window (section 6; the exercise `train_steps` has you write that loop, so read the
+# script's version after you have written yours). Its training loss is accumulated as a tensor
+# on the device and all-reduced once per epoch, not turned into a Python float at every step
+# (`.item()` would wait for the GPU at each step).
 #
 # ### Run it: 2 ranks learn what 1 process learns on the same global batches
 #
@@ -1867,10 +1986,12 @@ print("padded evaluation:", tr.problems(
 #
 # * **Evaluation through the wrapper.** The 509 evaluation samples split into slices of 255 and
 #   254: the ranks run different numbers of evaluation batches. For a model with buffers
-#   (BatchNorm), every forward through the DDP wrapper broadcasts them (section 3), and ranks with
-#   different batch counts would wait for each other (chapter 06 shows it blocking). This model
-#   has none, but it is meant to be extended: `model.module` runs no collective, and the only
-#   collective of the evaluation is the one all-reduce of the sums and counts at the end.
+#   (BatchNorm), a forward through the DDP wrapper can broadcast them (section 3: the first
+#   `no_grad` forward after training does, and in an evaluation with gradients enabled every
+#   forward does), a collective that waits for every rank (chapter 06 shows it blocking).
+#   This model has none,
+#   but it is meant to be extended: `model.module` runs no collective, and the only collective
+#   of the evaluation is the one all-reduce of the sums and counts at the end.
 # * **The sampler's padding in a metric.** `DistributedSampler` would pad 509 to 510 by repeating
 #   a sample (chapter 06); the strided slice `range(rank, n, world_size)` does not.
 # * **The mean of the ranks' means.** Unequal slices make it wrong; sums and counts are exact.
@@ -1904,7 +2025,7 @@ print("padded evaluation:", tr.problems(
 # optimizer step per group of micro-batches, including a short last group, and each step's global
 # mean loss returned on every rank. The tests count the bytes your loop all-reduces. Exactly one
 # gradient all-reduce per optimizer step is allowed, so `no_sync()` must wrap the right forwards
-# and backwards (section 5). The trained weights must equal one process trained on the equivalent
+# and backwards (section 6). The trained weights must equal one process trained on the equivalent
 # large batches. Self-check: `pytest exercises/07_training_loop/train_steps.ipynb`.
 #
 # ### `global_metrics`: exact metrics of the whole validation set
@@ -1913,7 +2034,7 @@ print("padded evaluation:", tr.problems(
 # accuracy of the *whole* set, to log them, keep the best checkpoint or stop early, alike on every
 # rank. You write `evaluate(model, dataset, batch_size)`. Averaging the ranks' own means
 # over-weights a small share. `DistributedSampler` pads the shares, so some samples count twice.
-# `dist.reduce` leaves the answer on rank 0 alone. Sums and counts, all-reduced (section 6), are
+# `dist.reduce` leaves the answer on rank 0 alone. Sums and counts, all-reduced (section 5), are
 # exact. A rank with no samples must still join that all-reduce. Evaluate `ddp_model.module`, not
 # the wrapper, whose forward may broadcast rank 0's buffers. The tests record every row your model
 # sees. Self-check: `pytest exercises/07_training_loop/global_metrics.ipynb`.
@@ -1921,7 +2042,7 @@ print("padded evaluation:", tr.problems(
 # ### `fix_the_loop`: three silent bugs
 #
 # A colleague's fine-tuning loop, `buggy_train`, has three bugs, and none of them raises an error:
-# a module outside the wrapper (section 4), a summed loss (section 6) and a loss logged by one rank.
+# a module outside the wrapper (section 4), a summed loss (section 5) and a loss logged by one rank.
 # You run it on two ranks with an instrument that shows how far the replicas are apart, how far
 # they are from one process, and what each rank logs. Then you write `train`, the loop it was meant
 # to be. When your weights are wrong, the tests name the mistake that reproduces them. Self-check:
@@ -1939,15 +2060,18 @@ print("padded evaluation:", tr.problems(
 #   freeze what you do not train, use every output, or declare `static_graph=True`.
 #   `find_unused_parameters=True` is the last resort: it walks the autograd graph after every
 #   forward.
-# * **Buffers are rank 0's** after every forward by default, so the statistics come from rank 0's
-#   data. SyncBatchNorm computes batch statistics over all ranks, on GPUs only.
+# * **Buffers are rank 0's** by default, broadcast at the start of each forward that follows a
+#   synced training forward (not at every forward: counted in section 3), so the statistics come
+#   from rank 0's data. SyncBatchNorm computes batch statistics over all ranks, on GPUs only.
 # * **Seeds.** The sampler's seed must be the same on every rank. Dropout and augmentation should
 #   differ between ranks. A learnable module outside the wrapper drifts apart without a word.
 # * **Gradient accumulation.** `no_sync()` goes around the forward *and* the backward of every
 #   micro-batch but the last of a step. Divide each loss by the number of micro-batches. Sync and
 #   step on the same, last micro-batch.
 # * **Losses are per rank; gradients are averaged.** To log a global number, all-reduce sums and
-#   counts. A summed loss changes the gradient scale by the rows per rank, not by the world size.
+#   counts. Under DDP a summed loss gives gradients W times smaller than one process summing the
+#   global batch, and of the scale of one process summing one rank's batch: its scale follows
+#   the rows per rank, not the world size.
 # * **Mixed precision** computes in bf16 or fp16 but keeps gradients in float32. The all-reduce
 #   carries the same bytes unless a compression hook is registered. GradScaler is for fp16 only.
 # * **`torch.compile`** cooperates with DDP: the DDP optimizer splits the graph at bucket

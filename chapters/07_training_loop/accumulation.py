@@ -35,6 +35,20 @@ What the script measures and checks (rank 0 prints it, exits 1 if a claim fails)
   agree bit for bit (halving is exact, and a sum of two terms rounds alike in either order); on 3 or
   4 within a few units in the last place (dividing by 3 rounds, and gloo sums in its own order).
   Without the division the accumulated gradient is k times too large.
+* **Gradient clipping** (:func:`clipping`). After the synced backward every rank holds the
+  averaged gradient, so ``clip_grad_norm_`` sees the same norm on every rank, the norm of one
+  process's gradient on the global batch, and clips as that process would (up to rounding).
+  Inside ``no_sync()`` each rank holds its own partial sum: a clip there sees a different norm
+  on each rank and changes the result (the replicas stay equal, since the sync averages what
+  each rank clipped, but the training is not one process's any more). Clip after the synced
+  backward, before ``optimizer.step()``.
+* **``gradient_as_bucket_view=True`` with ``no_sync()``** (:func:`bucket_views`). The option
+  makes each ``.grad`` a view into DDP's bucket, saving one copy of the gradients. Measured per
+  micro-batch: with ``zero_grad(set_to_none=True)`` (the default) the no_sync micro-batches'
+  gradients are new tensors of their own, outside the bucket, and only the synced backward puts
+  them back into it, so the memory saving does not hold inside an accumulation window; with
+  ``set_to_none=False`` they stay bucket views from the first sync on. The trained parameters
+  are bit-identical to ``gradient_as_bucket_view=False`` either way.
 """
 
 import contextlib
@@ -243,6 +257,128 @@ def one_process_vs_ranks(rank: int, world_size: int, steps: int = 3, size: int =
             "gradient ratio without / W (min, max)": ratio}
 
 
+CLIPPINGS = ("after the synced backward", "after every backward, inside no_sync too")
+
+
+def clipping(rank: int, world_size: int, where: str, k: int = 2, steps: int = 3,
+             max_norm: float = 0.01) -> dict:
+    """Accumulation of ``k`` micro-batches per step (right placement of ``no_sync``) with
+    ``clip_grad_norm_(max_norm)`` placed as ``where`` says (one of :data:`CLIPPINGS`), against
+    one process that accumulates every rank's micro-batches of the step and clips once. Returns
+    the total norm each rank's first clip saw, the reference's first norm, the replicas' spread
+    and the largest difference from the reference after ``steps`` SGD steps."""
+    batches = micro_batches(steps * k * world_size)
+    ddp = wrap(make_model(0))
+    reference = make_model(0).to(group_device())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, reference)]
+    first_norm = reference_norm = None
+    for step in range(steps):
+        group = batches[step * k * world_size:(step + 1) * k * world_size]
+        mine = group[rank::world_size]
+        for position, (x, y) in enumerate(mine):
+            last = position == k - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                (MSE(ddp(x), y) / k).backward()
+            if last or where != CLIPPINGS[0]:
+                norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm).item()
+                first_norm = norm if first_norm is None else first_norm
+        for x, y in group:
+            (MSE(reference(x), y) / (k * world_size)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm).item()
+        reference_norm = norm if reference_norm is None else reference_norm
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    final = flat_parameters(ddp.module)
+    return {"first norm clipped, this rank": first_norm,
+            "first norm clipped, one process": reference_norm,
+            "parameter spread across ranks": spread_across_ranks(final),
+            "max |DDP - one process|": (final - flat_parameters(reference)).abs().max().item(),
+            "max |parameter|": final.abs().max().item()}
+
+
+def check_clipping(per_rank: dict[str, list[dict]]) -> list[str]:
+    """Clipping after the synced backward clips the global gradient (the same norm on every
+    rank, one process's result up to rounding); clipping before the all-reduce clips each
+    rank's local gradient: different norms, another result, replicas still equal."""
+    found = []
+    right, early = per_rank[CLIPPINGS[0]], per_rank[CLIPPINGS[1]]
+    for name, results in per_rank.items():
+        if max(r["parameter spread across ranks"] for r in results) != 0:
+            found.append(f"clipping {name}: replicas apart")
+    reference = right[0]["first norm clipped, one process"]
+    if reference <= 0.01:
+        found.append(f"the reference gradient's norm {reference} is not above max_norm: no clip")
+    tolerance = ulp_tolerance(right[0]["max |parameter|"])
+    for rank, r in enumerate(right):
+        if abs(r["first norm clipped, this rank"] - reference) > 1e-6 * reference:
+            found.append(f"rank {rank} clipped a norm of {r['first norm clipped, this rank']} "
+                         f"after the sync, one process {reference}")
+        if r["max |DDP - one process|"] > tolerance:
+            found.append(f"clipping after the sync differs from one process by "
+                         f"{r['max |DDP - one process|']} > {tolerance}")
+    if len(early) > 1 and len({r["first norm clipped, this rank"] for r in early}) == 1:
+        found.append("clipping inside no_sync saw the same norm on every rank")
+    if early[0]["max |DDP - one process|"] <= tolerance:
+        found.append("clipping inside no_sync gave one process's result")
+    return found
+
+
+def bucket_views(rank: int, world_size: int, set_to_none: bool, k: int = 4,
+                 steps: int = 3) -> dict:
+    """Accumulation with ``gradient_as_bucket_view=True``: after each micro-batch's backward, is
+    every ``.grad`` a view into DDP's gradient bucket (the same storage as the bucket the
+    step's sync all-reduced)? ``set_to_none``: how ``zero_grad`` clears the gradients. Also the
+    final parameters, to compare with ``gradient_as_bucket_view=False``."""
+    results = {}
+    for as_view in (True, False):
+        model = DDP(make_model(0).to(group_device()), gradient_as_bucket_view=as_view)
+        buckets: list[int] = []
+
+        def hook(state, bucket):
+            buckets.append(bucket.buffer().untyped_storage().data_ptr())
+            return default_hooks.allreduce_hook(None, bucket)
+
+        model.register_comm_hook(None, hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        mine = micro_batches(steps * k * world_size)[rank::world_size]
+        in_bucket = []
+        for start in range(0, len(mine), k):
+            storages = []
+            for position, (x, y) in enumerate(mine[start:start + k]):
+                with contextlib.nullcontext() if position == k - 1 else model.no_sync():
+                    (MSE(model(x), y) / k).backward()
+                storages.append({p.grad.untyped_storage().data_ptr()
+                                 for p in model.parameters()})
+            in_bucket += [found == {buckets[-1]} for found in storages]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+        results[as_view] = {"grads in the bucket after each micro-batch": in_bucket,
+                            "parameters": flat_parameters(model.module)}
+    return {"grads in the bucket after each micro-batch":
+                results[True]["grads in the bucket after each micro-batch"],
+            "same parameters as without bucket views":
+                torch.equal(results[True]["parameters"], results[False]["parameters"])}
+
+
+def check_bucket_views(by_set_to_none: dict[bool, dict], k: int = 4) -> list[str]:
+    """With ``zero_grad(set_to_none=True)`` the no_sync micro-batches' gradients are tensors of
+    their own and only the synced backward puts them back into the bucket; with
+    ``set_to_none=False`` they stay bucket views from the first sync on. Same numbers either way."""
+    found = []
+    for set_to_none, result in by_set_to_none.items():
+        if not result["same parameters as without bucket views"]:
+            found.append(f"set_to_none={set_to_none}: parameters differ from plain gradients")
+    views = by_set_to_none[True]["grads in the bucket after each micro-batch"]
+    expected = [position == k - 1 for _ in range(len(views) // k) for position in range(k)]
+    if views != expected:
+        found.append(f"set_to_none=True: in the bucket {views}, expected {expected}")
+    kept = by_set_to_none[False]["grads in the bucket after each micro-batch"]
+    if not all(kept[k - 1:]):
+        found.append(f"set_to_none=False: in the bucket {kept}, expected from the first sync on")
+    return found
+
+
 def ulp_tolerance(max_parameter: float, units: int = 4) -> float:
     """``units`` units in the last place of float32 at the largest parameter's magnitude."""
     return units * torch.finfo(torch.float32).eps * max_parameter
@@ -304,9 +440,27 @@ def main() -> int:
                        f"correct run by {result['max |difference| from the correct run']:.3g}")
         for name, value in versus.items():
             ctx.print0(f"  {name}: {value}")
+        clipped = {where: clipping(ctx.rank, ws, where) for where in CLIPPINGS}
+        views = {set_to_none: bucket_views(ctx.rank, ws, set_to_none)
+                 for set_to_none in (True, False)}
+        gathered: list = [None] * ws
+        dist.all_gather_object(gathered, clipped)
+        for where in CLIPPINGS:
+            r = clipped[where]
+            ctx.print0(f"  clip_grad_norm_ {where:<42}: norm clipped on each rank "
+                       f"{[round(g[where]['first norm clipped, this rank'], 4) for g in gathered]}"
+                       f" (one process {r['first norm clipped, one process']:.4f}), off one "
+                       f"process by {r['max |DDP - one process|']:.3g}")
+        for set_to_none, r in views.items():
+            marks = "".join("B" if b else "." for b in r["grads in the bucket after each micro-batch"])
+            ctx.print0(f"  gradient_as_bucket_view, zero_grad(set_to_none={set_to_none}): .grad "
+                       f"in the bucket after each micro-batch {marks}; same parameters as "
+                       f"without: {r['same parameters as without bucket views']}")
         if not ctx.is_main:
             return 0
         found = problems(ws, placements, variants, versus)
+        found += check_clipping({where: [g[where] for g in gathered] for where in CLIPPINGS})
+        found += check_bucket_views(views)
         return report_checks(found)
 
 

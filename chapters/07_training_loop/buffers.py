@@ -1,4 +1,5 @@
-"""Buffers under DDP: rank 0's copy wins at every forward; BatchNorm statistics; SyncBatchNorm.
+"""Buffers under DDP: rank 0's copy wins, at construction and in the forwards that sync them;
+BatchNorm statistics; SyncBatchNorm.
 
     torchrun --standalone --nproc_per_node 2 chapters/07_training_loop/buffers.py
 
@@ -8,9 +9,17 @@ statistics, counters). With the default settings it *broadcasts* them from rank 
 
 * once in the constructor, with the parameters (``DistributedDataParallel.__init__`` calls
   ``_sync_module_states`` in torch/distributed/utils.py);
-* at the start of every forward (``_pre_forward`` -> ``_sync_buffers`` ->
+* at the start of a forward (``_pre_forward`` -> ``_sync_buffers`` ->
   ``_sync_module_buffers`` -> ``_default_broadcast_coalesced``, authoritative rank 0), both in
-  torch/nn/parallel/distributed.py.
+  torch/nn/parallel/distributed.py, but only when ``will_sync_module_buffers()`` holds: the
+  model had buffers at construction, ``forward_sync_buffers`` is on, and
+  ``require_forward_param_sync`` is set. That flag is set by the constructor and by
+  ``_post_forward`` after a forward with gradients enabled outside ``no_sync()``, and cleared
+  by ``_post_forward`` after any other forward. So a forward broadcasts when the *previous*
+  forward through the wrapper ran with gradients enabled outside ``no_sync()`` (in ``train()``
+  or ``eval()`` mode alike): the first ``no_grad`` forward of
+  an evaluation broadcasts, the next ones do not, nor does the first training forward after
+  them; under ``no_sync`` accumulation only the first micro-batch of each window does.
 
 What each function here shows (each runs in every rank of a process group, e.g. via
 ``run_ranks``, and returns plain data; the ``check_*`` functions return what contradicts the
@@ -20,6 +29,11 @@ lesson):
   forward starts. ``broadcast_buffers=False`` (deprecated in torch 2.13) skips that *and* the
   constructor's broadcast of buffers; its replacement ``forward_sync_buffers=False`` skips only
   the forward's (``DistributedDataParallel.__init__``: ``init_sync_buffers``).
+* :func:`broadcasts_per_forward`: that rule, counted: the ``gloo:broadcast`` events
+  (torch.profiler) of each forward through training, evaluation and accumulation. A sync of a
+  BatchNorm's buffers is two broadcasts: ``dist._broadcast_coalesced`` flattens the buffers into
+  one broadcast per dtype, here the float32 statistics and the int64 ``num_batches_tracked``
+  (measured: any number of float32 buffers, one broadcast; float32 and int64, two).
 * :func:`reassignment`: what DDP holds on to. Buffers are looked up again by name at every sync
   (``_assign_modules_buffers``, called in ``_sync_buffers``), so ``module.buf = new_tensor`` is
   synced like ``buf.copy_()``; a tensor attribute that is not a registered buffer is never
@@ -42,6 +56,7 @@ not depend on the device.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import traceback
 import warnings
@@ -51,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
 
 from ddpcourse.dist_env import cpu_group, process_group
 from ddpcourse.report import report_checks
@@ -197,6 +213,67 @@ def check_reassignment(per_rank: list[dict]) -> list[str]:
         if world_size > 1 and not str(r["next forward raises"]).startswith(
                 "Expected to have finished reduction in the prior iteration"):
             problems.append(f"rank {rank}: next forward raised {r['next forward raises']!r}")
+    return problems
+
+
+# --- which forwards broadcast: counted --------------------------------------------------------
+
+# The forwards of :func:`broadcasts_per_forward`, in order: (label, mode, gradients enabled,
+# under no_sync, backward after it), and whether the rule of ``will_sync_module_buffers`` says
+# it broadcasts (the previous forward ran with gradients enabled and outside ``no_sync``).
+ACCUMULATION = 4
+FORWARD_SEQUENCE = (
+    [("training step", "train", True, False, True, True),
+     ("eval(), no_grad: 1st forward", "eval", False, False, False, True),
+     ("eval(), no_grad: 2nd forward", "eval", False, False, False, False),
+     ("eval(), no_grad: 3rd forward", "eval", False, False, False, False),
+     ("train(): 1st training step after evaluation", "train", True, False, True, False),
+     ("training step", "train", True, False, True, True)]
+    + [(f"window {w}, micro-batch {m + 1}" + (" (no_sync)" if m < ACCUMULATION - 1 else ""),
+        "train", True, m < ACCUMULATION - 1, True, m == 0)
+       for w in (1, 2) for m in range(ACCUMULATION)]
+    + [("eval(), gradients enabled", "eval", True, False, False, True)])
+
+
+def broadcasts_per_forward(rank: int, world_size: int, warmup: int = 2) -> list[tuple[str, int]]:
+    """Count the broadcasts (``gloo:broadcast`` events of torch.profiler) in each forward of a
+    DDP Linear + BatchNorm1d, through :data:`FORWARD_SEQUENCE`, after ``warmup`` training steps
+    (the second of which also broadcasts the rebuilt buckets' order, once per run)."""
+    from unused_parameters import captured_stderr  # the profiler prints its start/stop lines
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), process_group=cpu_group())
+    counts = []
+    with captured_stderr():
+        for step in range(warmup):
+            model(batch(rank, step)).square().mean().backward()
+        for step, (label, mode, grad, no_sync, backward, _) in enumerate(FORWARD_SEQUENCE):
+            model.train(mode == "train")
+            window = model.no_sync() if no_sync else contextlib.nullcontext()
+            with window, torch.set_grad_enabled(grad):
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    loss = model(batch(rank, warmup + step)).square().mean()
+                if backward:
+                    loss.backward()
+            counts.append((label, sum(e.name == "gloo:broadcast" for e in prof.events())))
+    return counts
+
+
+def check_broadcasts_per_forward(per_rank: list[list[tuple[str, int]]]) -> list[str]:
+    """Every rank counts the same broadcasts, and a forward broadcasts (the same number of
+    times as a training step) exactly when the previous forward ran with gradients enabled and
+    outside ``no_sync``."""
+    problems = []
+    per_sync = per_rank[0][0][1]
+    if per_sync != 2:  # one coalesced broadcast per dtype: float32 statistics, int64 counter
+        problems.append(f"a training step after training broadcast {per_sync} times, not 2")
+    for rank, counts in enumerate(per_rank):
+        if counts != per_rank[0]:
+            problems.append(f"rank {rank} counted {counts}, rank 0 {per_rank[0]}")
+        for (label, count), expected in zip(counts, FORWARD_SEQUENCE):
+            want = per_sync if expected[-1] else 0
+            if count != want:
+                problems.append(f"rank {rank}, {label}: {count} broadcasts, expected {want}")
     return problems
 
 
@@ -398,6 +475,7 @@ def run_all(rank: int, world_size: int) -> dict:
     """Every demo of this module, in one rank (the script's main runs this)."""
     results: dict = {f"forward {mode}": buffer_at_forward(rank, world_size, mode)
                      for mode in SYNC_MODES}
+    results["broadcasts per forward"] = broadcasts_per_forward(rank, world_size)
     results["reassignment"] = reassignment(rank, world_size)
     for mode in ("default", "forward_sync_buffers=False"):
         results[f"running stats {mode}"] = running_stats(rank, world_size, mode)
@@ -415,6 +493,7 @@ def check(gathered: list[dict]) -> list[str]:
     problems = []
     for mode in SYNC_MODES:
         problems += check_buffer_at_forward(mode, ranks(f"forward {mode}"))
+    problems += check_broadcasts_per_forward(ranks("broadcasts per forward"))
     problems += check_reassignment(ranks("reassignment"))
     for mode in ("default", "forward_sync_buffers=False"):
         problems += check_running_stats(mode, ranks(f"running stats {mode}"))
@@ -433,6 +512,9 @@ def _print_results(gathered: list[dict]) -> None:
         key = f"forward {mode}"
         print(f"  {mode:<27} after DDP(): {ranks(key, 'offset after DDP()')}"
               f"  forward used: {ranks(key, 'offset the forward used')}")
+    print("broadcasts in each forward of a DDP Linear + BatchNorm1d, after two training steps:")
+    for label, count in gathered[0]["broadcasts per forward"]:
+        print(f"  {label:<48} {count}")
     print("after wrapping, each rank sets its own value rank + 1; after the next forward:")
     for way, value in gathered[0]["reassignment"].items():
         values = ranks("reassignment", way)

@@ -25,8 +25,9 @@ each, and a head; ``bucket_cap_mb=1``; 3 SGD steps on per-rank data) and checks:
 * **Overlap** (:func:`train_steps`' ``timeline``: a hook before each compiled backward node and a
   comm hook at each all-reduce launch, in the last step): with the DDP optimizer all-reduces are
   launched between compiled backward pieces; without it, all of them after the single one.
-* **Both orders** (``model.compile()`` then ``DDP(model)``, which the docs recommend, and
-  ``torch.compile(DDP(model))``) give the same subgraphs, and the same gradients and weights as
+* **Both orders** (``model.compile()`` then ``DDP(model)``, the order of the docs page "Where to
+  apply torch.compile?", and ``torch.compile(DDP(model))``, the order of the DDP notes' section
+  on the DDPOptimizer) give the same subgraphs, and the same gradients and weights as
   eager DDP after 3 steps (bitwise equal here; the check allows float32 rounding, see TOLERANCE).
 
 The backend is ``aot_eager``: AOTAutograd's forward and backward graphs, run without generating

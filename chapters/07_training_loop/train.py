@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 from tqdm import tqdm
 
 from ddpcourse.dist_env import group_device, loader_workers_context, process_group
+from ddpcourse.report import report_checks
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -318,10 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         found = problems(history)
         ctx.print0(f"{history['optimizer_steps']} optimizer steps; weights identical on every "
                    f"rank: {len(set(history['checksums'])) == 1}")
-        for line in found:
-            ctx.print0("PROBLEM:", line)
-        ctx.print0("checks:", "FAILED" if found else "passed")
-        return 1 if found else 0
+        return report_checks(found, echo=ctx.print0)
 
 
 if __name__ == "__main__":

@@ -259,7 +259,8 @@ def rank0_evaluates(rank: int, world_size: int, through: str,
                     timeout_s: float = DEMO_TIMEOUT_S) -> dict:
     """One training step, then rank 0 alone evaluates ``through`` ``"module"`` or ``"ddp"`` while
     the other ranks wait at a barrier of the patient default group. A model with BatchNorm, whose
-    buffers the wrapper broadcasts at every forward (``forward_sync_buffers``, on by default)."""
+    buffers the wrapper broadcasts in the first forward after a training step
+    (``forward_sync_buffers``, on by default; ``no_grad`` makes no difference to that one)."""
     torch.manual_seed(0)
     ddp = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)),
               process_group=short_timeout_group(timeout_s, "gloo"))

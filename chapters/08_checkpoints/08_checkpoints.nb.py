@@ -269,7 +269,7 @@ print("claims contradicted:", rb.problems(resumes) or "none")
 # * **Persistent workers** (`persistent_workers=True`) cannot be resumed bit for bit: they are
 #   seeded once, in the first epoch, and their streams cannot be saved from the main process.
 #   `train.py` uses non-persistent workers, re-seeded each epoch from the loader's generator.
-# * **A trap found while building this:** every `iter(DataLoader)` draws a base seed, from the
+# * **A trap:** every `iter(DataLoader)` draws a base seed, from the
 #   loader's `generator` or else from the global torch stream, **even with `num_workers=0`**
 #   (`_BaseDataLoaderIter.__init__` in torch/utils/data/dataloader.py). Chapter 07's evaluation
 #   loader has no generator, so an evaluation at the end of an epoch moved the training stream one
@@ -278,6 +278,41 @@ print("claims contradicted:", rb.problems(resumes) or "none")
 #
 # This is the table the exercise `resumable_checkpoint` (end of the chapter) builds on: a save and
 # a load that pass it must put every piece back on every rank.
+
+# %% [markdown]
+# ### Resuming the loader mid-epoch: replay and skip, or a stateful sampler
+#
+# `train.py` resumes mid-epoch by **replay and skip**: it rebuilds the epoch's loader from the
+# saved generator state and throws away the batches already trained on. That saves almost no
+# state, but every skipped batch is fetched and transformed again, a cost that grows with the
+# position in the epoch and with the price of a sample (decoding, augmentation, reading from
+# remote storage). The alternative is a loader whose **sampler** saves its position and starts
+# there (what torchdata's `StatefulDataLoader` does, with its workers' states in its
+# `state_dict()`). `loader_resume.py` compares them on a 48-sample epoch, batches of 4,
+# stopped after batch 3, with noise drawn from the torch stream or seeded per sample; its
+# `ResumableSampler` is a `DistributedSampler` that starts at a saved position. No process group
+# is needed: `DistributedSampler` takes the rank and world size as arguments.
+
+# %%
+import loader_resume as lr
+
+per_rank = [lr.run_all(rank, 2) for rank in range(2)]
+for noise in lr.NOISE:
+    for way, r in per_rank[0][noise].items():
+        print(f"{noise:<10} noise, {way:<46} fetched before training "
+              f"{r['fetched before training']:>2}; same samples {r['same indices']}, "
+              f"same batches {r['same batches']}")
+print("claims contradicted:", lr.check(per_rank) or "none")
+
+# %% [markdown]
+# Replay and skip fetched 12 samples per rank (3 batches of 4) for nothing and got every batch
+# bit for bit. The stateful sampler fetched none and got the right samples, but with noise drawn
+# from a stream the batches are the uninterrupted run's only if the stream's state *at the
+# stop* was saved and restored, and restored after `iter(loader)` (which draws from it, the trap
+# above). With noise seeded per sample (from the epoch and the index) there is no stream state to
+# save, and both ways are exact. Pick replay and skip when samples are cheap and the state is
+# hard to capture (several worker processes with streams of their own); a stateful loader when
+# re-reading part of an epoch costs real time, with per-sample seeding or its saved worker states.
 
 # %% [markdown]
 # ## 4. Crash safety: a checkpoint that survives the crash it is for
@@ -291,9 +326,13 @@ print("claims contradicted:", rb.problems(resumes) or "none")
 # **The fix** (`checkpoint_files.py`): write a temporary file **in the same directory**, flush and
 # `os.fsync` it, then `os.replace` it onto the final name and fsync the directory. A rename within
 # one file system is atomic on POSIX: a reader sees the old complete file or the new complete
-# file, never a mix. (A temporary file in `/tmp` may be on another file system, where the move is
-# a copy and no longer atomic; without the fsyncs a power cut can leave the new name over blocks
-# that never reached the disk.) `CheckpointDir` adds numbered files `step_XXXXXXXX.pt`, a
+# file, never a mix. (A temporary file in `/tmp` may be on another file system, and there
+# `os.replace` does not move it at all: it raises `OSError: [Errno 18] Invalid cross-device
+# link` (`EXDEV`; the [`os.rename` docs](https://docs.python.org/3/library/os.html#os.rename):
+# "The operation may fail if src and dst are on different filesystems"). Only `shutil.move`
+# falls back to copying and deleting, and a copy is not atomic: a reader can see a half-written
+# file. Without the fsyncs a power cut can leave the new name over blocks that never reached
+# the disk.) `CheckpointDir` adds numbered files `step_XXXXXXXX.pt`, a
 # `latest` pointer (replaced atomically *after* the checkpoint it names is complete) and keeps
 # the newest K, never deleting the one `latest` names.
 #

@@ -11,7 +11,9 @@ Only one process writes a checkpoint directory (rank 0; see who_writes.py). What
   ``os.fsync``, then ``os.replace`` onto the final name, then fsync the directory. ``os.replace``
   is a rename, atomic on POSIX within one file system: a reader (or the next run after a crash)
   sees the old complete file or the new complete file, never a mix. A temporary file elsewhere
-  (``/tmp``) may be on another file system, where the move is a copy and no longer atomic. Without
+  (``/tmp``) may be on another file system, where ``os.replace`` raises ``OSError`` ``EXDEV``
+  ("Invalid cross-device link"); only ``shutil.move`` falls back to a copy, which is not
+  atomic. Without
   the fsyncs the rename can reach the disk before the data does, and a power cut leaves a
   complete-looking name over empty blocks; the directory fsync makes the rename itself durable.
 * :class:`CheckpointDir` — ``step_XXXXXXXX.pt`` files, each written atomically, then a ``latest``
@@ -231,8 +233,6 @@ def self_check() -> list[str]:
 
 
 if __name__ == "__main__":
-    found = self_check()
-    print("checkpoint_files self-check:", "passed" if not found else "FAILED")
-    for problem in found:
-        print("  -", problem)
-    sys.exit(1 if found else 0)
+    from ddpcourse.report import report_checks  # here only: the module itself needs torch alone
+
+    sys.exit(report_checks(self_check(), label="checkpoint_files self-check"))

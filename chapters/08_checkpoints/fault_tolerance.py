@@ -110,7 +110,8 @@ def story(run: Launch) -> dict:
     last_checkpoint = max(saved) if saved else 0
     return {"attempts": attempts, "pids": pids, "faults": faults,
             "checkpoints in attempt 0": saved, "resumed at": resumed,
-            "steps redone": None if fault_step is None else fault_step - last_checkpoint,
+            "steps redone": (None if fault_step is None or not resumed  # nobody came back
+                             else fault_step - last_checkpoint),
             "finished": sorted((e["attempt"], e["rank"]) for e in run.events
                                if e["event"] == "finished")}
 
@@ -191,10 +192,12 @@ def describe(run: Launch, reference: Launch) -> str:
     for fault in told["faults"]:
         lines.append(f"  rank {fault['rank']} ({fault['how']}) after step {fault['step']} of "
                      f"attempt {fault['attempt']}")
-    if told["faults"]:
+    if told["faults"] and told["resumed at"]:
         lines.append(f"  checkpoints written in attempt 0: steps {told['checkpoints in attempt 0']}"
-                     f"; resumed at {told['resumed at'] or 'nothing'}; steps redone: "
-                     f"{told['steps redone']}")
+                     f"; resumed at {told['resumed at']}; steps redone: {told['steps redone']}")
+    elif told["faults"]:
+        lines.append(f"  checkpoints written in attempt 0: steps {told['checkpoints in attempt 0']}"
+                     "; no attempt resumed (no restart left), so no step was redone")
     if run.final_weights is None:
         lines.append("  no final weights")
     elif run is not reference:

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from ddpcourse.dist_env import process_group
 from ddpcourse.imports import import_by_path
+from ddpcourse.report import report_checks
 
 HERE = Path(__file__).resolve().parent
 
@@ -195,10 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.print0(table(results))
         if args.json and ctx.is_main:
             Path(args.json).write_text(json.dumps(results, indent=1))
-        for line in found:
-            ctx.print0("PROBLEM:", line)
-        ctx.print0("checks:", "FAILED" if found else "passed")
-        return 1 if found else 0
+        return report_checks(found, echo=ctx.print0)
 
 
 if __name__ == "__main__":

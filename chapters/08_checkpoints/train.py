@@ -85,6 +85,7 @@ from tqdm import tqdm
 
 from ddpcourse.dist_env import cpu_group, group_device, loader_workers_context, process_group
 from ddpcourse.imports import import_by_path
+from ddpcourse.report import report_checks
 
 HERE = Path(__file__).resolve().parent
 
@@ -530,10 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                    + (f", resumed at step {history['resumed_from']}"
                       if history["resumed_from"] is not None else "")
                    + f"; weights identical on every rank: {len(set(history['checksums'])) == 1}")
-        for line in found:
-            ctx.print0("PROBLEM:", line)
-        ctx.print0("checks:", "FAILED" if found else "passed")
-        return 1 if found else 0
+        return report_checks(found, echo=ctx.print0)
 
 
 if __name__ == "__main__":
