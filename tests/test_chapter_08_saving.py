@@ -191,6 +191,8 @@ STATE_DICT_WRONG = {
         {"torch.compile(model).state_dict()": ["0.weight", "0.bias", "2.weight", "2.bias"]}),
     "strict=False loads prefixed keys": lambda r: r[0]["prefixes"].update(
         {"strict=False on prefixed keys: missing": []}),
+    "DDP's state_dict holds more than the renamed module": lambda r: r[0]["prefixes"].update(
+        {"ddp.state_dict() is ddp.module.state_dict() renamed, nothing more": False}),
     "plain model differs": lambda r: r[1]["prefixes"].update(
         {"plain model, strict=True, same output": False}),
     "map_location function sees no tag": lambda r: r[0]["map_location"]["saved from cuda:0"]

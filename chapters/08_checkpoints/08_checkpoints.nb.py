@@ -40,9 +40,10 @@
 # The exercises of this chapter (`exercises/08_checkpoints/`) are listed at the end.
 #
 # **Article claims checked here.** The source article says that "all processes must take part in
-# `torch.save`" (section 1 shows that only the barrier involves them) and saves
-# `model.state_dict()` of the DDP model (section 2: the `module.` prefix, and why
-# `model.module.state_dict()` is the file you want).
+# `torch.save`" (section 1 shows that only the barrier involves them), and that saving
+# `model.state_dict()` of the DDP model instead of `model.module.state_dict()` stores "DDP
+# wrapper metadata" (section 2: the advice is right, the reason is not: the file holds the same
+# tensors under a `module.` prefix, nothing else).
 
 # %%
 import sys
@@ -137,8 +138,10 @@ for name, outcome in who[1]["reader without barrier"].items():
 # `ddp_model.state_dict()` names every entry `module.<name>`. A file saved that way does not load
 # into the plain model (for evaluation on one GPU, for export, for the next fine-tuning run).
 # `torch.compile` does the same with `_orig_mod.` (the `OptimizedModule` holds the model as
-# `_orig_mod`), and DDP around a compiled model gives `module._orig_mod.`. The article's examples
-# save `model.state_dict()` of the DDP model. For files that already have a prefix,
+# `_orig_mod`), and DDP around a compiled model gives `module._orig_mod.`. The article saves
+# `model.module.state_dict()` too, but says `model.state_dict()` would store "DDP wrapper
+# metadata": the cell below shows it holds the same tensors, only renamed, which is why strict
+# loading into the plain model fails. For files that already have a prefix,
 # `torch.nn.modules.utils.consume_prefix_in_state_dict_if_present` strips it in place
 # ([torch/nn/modules/utils.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/modules/utils.py)).
 
@@ -150,7 +153,8 @@ prefixes = keys[0]["prefixes"]
 for name, names in prefixes["keys"].items():
     print(f"{name:42}: {names}")
 for name in ("strict=True on prefixed keys", "strict=False on prefixed keys: missing",
-             "after consume_prefix_in_state_dict_if_present"):
+             "after consume_prefix_in_state_dict_if_present",
+             "ddp.state_dict() is ddp.module.state_dict() renamed, nothing more"):
     print(f"{name}: {prefixes[name]}")
 print("saved from ddp.module, loaded into a plain model with strict=True, same output on each rank:",
       [r["prefixes"]["plain model, strict=True, same output"] for r in keys])

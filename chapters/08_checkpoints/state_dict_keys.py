@@ -114,6 +114,11 @@ def prefixes(rank: int, world_size: int) -> dict:
         old = dict((ddp if prefix == "module." else ddp_of_compiled).state_dict())
         consume_prefix_in_state_dict_if_present(old, prefix)
         fixed[name] = list(old)
+    renamed = dict(ddp.state_dict())
+    consume_prefix_in_state_dict_if_present(renamed, "module.")
+    plain_entries = ddp.module.state_dict()
+    only_renamed = (list(renamed) == list(plain_entries)
+                    and all(torch.equal(renamed[k], plain_entries[k]) for k in plain_entries))
     directory = shared_directory(rank)
     path = Path(directory) / "model.pt"
     if rank == 0:
@@ -129,7 +134,8 @@ def prefixes(rank: int, world_size: int) -> dict:
     return {"keys": keys, "strict=True on prefixed keys": strict_error,
             "strict=False on prefixed keys: missing": lenient.missing_keys,
             "after consume_prefix_in_state_dict_if_present": fixed,
-            "plain model, strict=True, same output": same_output}
+            "plain model, strict=True, same output": same_output,
+            "ddp.state_dict() is ddp.module.state_dict() renamed, nothing more": only_renamed}
 
 
 # --- map_location ----------------------------------------------------------------------------
@@ -300,6 +306,8 @@ def problems(results: list[dict]) -> list[str]:
            "strict=False should load nothing from prefixed keys")
     expect(all(v == names for v in p["after consume_prefix_in_state_dict_if_present"].values()),
            "consume_prefix_in_state_dict_if_present should restore the model's names")
+    expect(p["ddp.state_dict() is ddp.module.state_dict() renamed, nothing more"],
+           "DDP's state_dict should hold the module's tensors under module., nothing else")
     for rank, r in enumerate(results):
         expect(r["prefixes"]["plain model, strict=True, same output"],
                f"rank {rank}: the plain model should compute what ddp.module computes")
@@ -360,7 +368,8 @@ def main() -> int:
         for name, keys in r0["prefixes"]["keys"].items():
             print(f"{name}: {keys}")
         for name in ("strict=True on prefixed keys", "strict=False on prefixed keys: missing",
-                     "after consume_prefix_in_state_dict_if_present"):
+                     "after consume_prefix_in_state_dict_if_present",
+                     "ddp.state_dict() is ddp.module.state_dict() renamed, nothing more"):
             print(f"{name}: {r0['prefixes'][name]}")
         print("saved from ddp.module, loaded into a plain model (strict=True), same output:",
               [r["prefixes"]["plain model, strict=True, same output"] for r in results])
