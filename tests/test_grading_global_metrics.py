@@ -241,6 +241,51 @@ def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(
     hidden.check_evaluate(right)
 
 
+def restores_every_module(model, dataset, batch_size):
+    """A right evaluate in another idiomatic style: it saves and restores the mode of every
+    submodule (``net.modules()``), as a model with a frozen BatchNorm needs."""
+    net = model.module if isinstance(model, DDP) else model
+    modes = [(m, m.training) for m in net.modules()]
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    sums = torch.zeros(3, dtype=torch.float64)
+    net.eval()
+    try:
+        with torch.inference_mode():
+            for x, y in DataLoader(Subset(dataset, range(rank, len(dataset), world_size)),
+                                   batch_size=batch_size):
+                logits = net(x)
+                sums += torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
+                                      (logits.argmax(1) == y).sum().item(), len(y)],
+                                     dtype=torch.float64)
+    finally:
+        for module, training in modes:
+            module.train(training)
+    dist.all_reduce(sums)
+    loss, correct, count = sums.tolist()
+    if not count:
+        return {"loss": math.nan, "accuracy": math.nan, "count": 0}
+    return {"loss": loss / count, "accuracy": correct / count, "count": int(count)}
+
+
+def test_a_right_answer_written_with_net_modules_is_not_flagged_and_gets_full_marks(host, tmp_path):
+    """``for m in net.modules()`` was flagged as tampering (the scan forbade the name
+    ``modules``, meant for ``sys.modules``): this right answer scored 0."""
+    import inspect
+    import textwrap
+
+    import nbformat
+
+    from autograder.tamper_scan import locked_ids_of, scan_notebook
+
+    nb = nbformat.read(SOURCE, as_version=4)
+    cell = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "evaluate")
+    cell.source = textwrap.dedent(inspect.getsource(restores_every_module)).replace(
+        "def restores_every_module(", "def evaluate(")
+    nbformat.write(nb, tmp_path / "global_metrics.ipynb")
+    assert scan_notebook(tmp_path / "global_metrics.ipynb", locked_ids_of(SOURCE)) == []
+    hidden.check_evaluate(submitted(restores_every_module, host))
+
+
 @pytest.mark.parametrize("wrong, check, message", [
     (make(sampler=True), checks.check_evaluate_counts_each_sample_once,
      "that is DistributedSampler's padding"),
