@@ -47,12 +47,15 @@ def the_solution():
 
 def make(share="strided", sampler=False, combine="sums", no_grad=True, eval_mode=True,
          restore="mode", module=True, numbers=True, empty_rank="all_reduce", empty_data="nan",
-         accumulate=torch.float64):
+         accumulate=torch.float64, grad_off="scoped"):
     """An evaluate with one rule changed; the defaults give a right one."""
     def evaluate(model, dataset, batch_size):
         rank, world = dist.get_rank(), dist.get_world_size()
         net = model.module if module and isinstance(model, DDP) else model
         was_training = net.training
+        modes = [(m, m.training) for m in net.modules()]
+        if grad_off == "left_off":
+            torch.set_grad_enabled(False)  # never undone
         n = len(dataset)
         if sampler:
             loader = DataLoader(dataset, batch_size=batch_size,
@@ -78,7 +81,10 @@ def make(share="strided", sampler=False, combine="sums", no_grad=True, eval_mode
                                      torch.tensor(len(y), dtype=accumulate)])
                 batch_means.append(loss / len(y))
         if restore == "mode":
-            net.train(was_training)
+            for m, training in modes:
+                m.train(training)
+        elif restore == "top":
+            net.train(was_training)  # every module alike
         elif restore == "train":
             net.train()
         if empty_rank == "skip" and sums[2] == 0:
@@ -188,6 +194,20 @@ def test_a_rank_without_samples_that_skips_the_all_reduce_is_stopped_at_the_dead
     assert "did not finish within 6 s" in message
     assert "wait_for_every_rank_to_return_from_evaluate" in message  # the rank that skipped
     assert "A rank with no samples must still call the same collectives" in message
+
+
+def test_global_state_after_the_call_is_checked():
+    """Gradients left disabled after the call (``torch.set_grad_enabled(False)`` never undone)
+    fail the visible check; a model whose BatchNorm was frozen in eval mode and comes back in
+    training mode (``model.train(was_training)`` sets every module alike) fails the hidden one."""
+    with pytest.raises(CheckFailed, match=r"after the call, gradients are disabled"):
+        checks.check_evaluate_matches_one_process(make(grad_off="left_off"))
+    top_only = make(restore="top")
+    for visible in VISIBLE.values():
+        visible(top_only)
+    with pytest.raises(CheckFailed, match=r"in train mode with its BatchNorm in eval mode, 9 "
+                                          r"samples.*1 module\(s\) in another mode"):
+        hidden.check_evaluate(top_only)
 
 
 def test_the_hidden_checks_catch_what_the_visible_ones_miss():
@@ -328,7 +348,7 @@ def honest_reports(world_size=2):
                                "accuracy": {"type": "float", "number": ref["accuracy"],
                                             "text": ""},
                                "count": {"type": "int", "number": n, "text": ""}}},
-                "modes": [True] * MODULES,
+                "modes": [True] * MODULES, "grad_enabled_after": True,
                 "state": {k: v.clone() for k, v in ref["state"].items()},
                 "with_grad": [], "frozen": []})
         reports.append({"calls": calls})
@@ -351,6 +371,7 @@ DAMAGE = [
     (("calls", 0, "forwards", 0, "grad_enabled"), "no"),
     (("calls", 0, "modes"), "train"), (("calls", 0, "modes"), []), (("calls", 0, "modes"), [1]),
     (("calls", 0, "modes"), [False] * MODULES), (("calls", 0, "state"), []),
+    (("calls", 0, "grad_enabled_after"), False), (("calls", 0, "grad_enabled_after"), "yes"),
     (("calls", 0, "state"), {"x" * 100_000: 1}), (("calls", 0, "state", "head.bias"), "nan"),
     (("calls", 0, "state", "head.bias"), torch.zeros(4, dtype=torch.int64)),
     (("calls", 0, "state", "head.bias"), torch.ones(4)),
@@ -423,7 +444,7 @@ def test_the_loss_tolerance_accepts_float32_sums_and_rejects_the_mean_of_rank_me
     the situation); and neighbouring accuracies differ by far more than ACCURACY_ATOL."""
     worst, closest = 0.0, math.inf
     situations = situations_of_every_check()
-    assert len(situations) == 23
+    assert len(situations) == 24
     for world_size, s in situations:
         ref = checks.reference(s)  # raises on a near tie
         n = ref["count"]
