@@ -9,8 +9,16 @@ notebook's source from outside the kernel, where no student code runs, and flags
   ``dist.all_reduce = ...``, ``checks.check_ring_allreduce_two_ranks = ...``,
   ``sys.modules["ddpcourse.launcher"] = ...``;
 * the tools such tampering needs and these exercises never do: ``exec``, ``eval``, ``compile``,
-  ``__import__``, ``ctypes``, ``gc``, ``importlib``, ``sys._getframe``, ``__code__``,
-  ``__globals__``, ``__builtins__``, ``__dict__``.
+  ``__import__``, ``ctypes``, ``gc``, ``importlib``, ``inspect``, ``sys._getframe``,
+  ``__code__``, ``__globals__``, ``__builtins__``, ``__dict__``;
+* ``sys.modules`` through any alias of ``sys`` (``import sys as s``, ``os.sys``,
+  ``from sys import modules``) and ``sys`` itself used as anything but ``sys.<name>`` (passed to a
+  function, ``getattr(sys, ...)``, ``vars(sys)``): the attribute name ``modules`` alone is not
+  flagged, since ``nn.Module.modules()`` is a method every PyTorch user calls;
+* frame objects, through which a function reads its callers' locals (the grader's situation):
+  ``tb_frame``, ``f_back``, ``f_locals``, ``f_globals``, ``gi_frame``, ``cr_frame``,
+  ``traceback.walk_stack``/``walk_tb``. This is a second line only: what a grading process's
+  frames hold is the situation, never the expected answer (see ``autograder/trusted.py``).
 
 Only cells a student can edit are scanned (nbgrader restores locked and test cells). A flagged
 submission scores 0 and is listed for the instructor to review.
@@ -52,7 +60,13 @@ SETUP_NAMES = _setup_names()
 FORBIDDEN_CALLS = {"exec", "eval", "compile", "__import__", "setattr", "delattr"}
 FORBIDDEN_MODULES = {"ctypes", "gc", "importlib", "builtins", "inspect"}
 FORBIDDEN_ATTRIBUTES = {"_getframe", "__code__", "__globals__", "__builtins__", "__dict__",
-                        "__setattr__", "modules"}
+                        "__setattr__",
+                        # frame objects: the callers' locals
+                        "tb_frame", "f_back", "f_locals", "f_globals", "f_builtins", "gi_frame",
+                        "cr_frame", "ag_frame", "walk_stack", "walk_tb"}
+# Attributes of ``sys`` that reach other modules or frames.
+FORBIDDEN_SYS_ATTRIBUTES = {"modules", "_getframe", "_current_frames", "settrace", "setprofile",
+                            "meta_path", "path_hooks", "path_importer_cache"}
 
 
 @dataclass
@@ -71,11 +85,20 @@ def _root_name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+def _is_sys(node: ast.AST, sys_names: set[str]) -> bool:
+    """``node`` is ``sys`` by a name bound to it, or ``<anything>.sys`` (``os.sys``)."""
+    return (isinstance(node, ast.Name) and node.id in sys_names) or \
+        (isinstance(node, ast.Attribute) and node.attr == "sys")
+
+
 class _Scanner(ast.NodeVisitor):
-    def __init__(self, cell: int, protected: set[str]):
+    def __init__(self, cell: int, protected: set[str], sys_names: set[str] | None = None):
         self.cell = cell
         self.protected = protected
+        # names bound to the sys module; shared across a notebook's cells like ``protected``
+        self.sys_names = sys_names if sys_names is not None else {"sys"}
         self.findings: list[Finding] = []
+        self._sys_attribute_bases: set[int] = set()  # ids of sys nodes used as ``sys.<name>``
 
     def _flag(self, node: ast.AST, what: str) -> None:
         self.findings.append(Finding(self.cell, getattr(node, "lineno", 0), what))
@@ -94,6 +117,8 @@ class _Scanner(ast.NodeVisitor):
             top = alias.name.split(".")[0]
             if top in FORBIDDEN_MODULES:
                 self._flag(node, f"imports {alias.name}")
+            if top == "sys":
+                self.sys_names.add(alias.asname or top)
             if top in PROTECTED_ROOTS:
                 self.protected.add(alias.asname or top)
         self.generic_visit(node)
@@ -102,6 +127,11 @@ class _Scanner(ast.NodeVisitor):
         top = (node.module or "").split(".")[0]
         if top in FORBIDDEN_MODULES:
             self._flag(node, f"imports from {node.module}")
+        for alias in node.names:
+            if node.module == "sys" and (alias.name == "*" or alias.name in FORBIDDEN_SYS_ATTRIBUTES):
+                self._flag(node, f"imports {alias.name} from sys")
+            if alias.name == "sys":
+                self.sys_names.add(alias.asname or alias.name)
         if top in PROTECTED_ROOTS:
             for alias in node.names:
                 self.protected.add(alias.asname or alias.name)
@@ -133,17 +163,28 @@ class _Scanner(ast.NodeVisitor):
     def visit_Attribute(self, node: ast.Attribute) -> None:
         if node.attr in FORBIDDEN_ATTRIBUTES:
             self._flag(node, f"uses .{node.attr}")
+        if _is_sys(node.value, self.sys_names):
+            if node.attr in FORBIDDEN_SYS_ATTRIBUTES:
+                self._flag(node, f"uses {ast.unparse(node)}")
+            else:
+                self._sys_attribute_bases.add(id(node.value))
+        if node.attr == "sys" and id(node) not in self._sys_attribute_bases:
+            self._flag(node, f"uses {ast.unparse(node)} other than as sys.<name>")
         self.generic_visit(node)
 
     def visit_Name(self, node: ast.Name) -> None:
         if node.id == "__builtins__":
             self._flag(node, "uses __builtins__")
+        if node.id in self.sys_names and isinstance(node.ctx, ast.Load) and \
+                id(node) not in self._sys_attribute_bases:
+            self._flag(node, f"uses {node.id} other than as {node.id}.<name>")
 
 
 def scan_notebook(path, locked_ids: set[str]) -> list[Finding]:
     """Findings in the code cells of ``path`` whose grade_id is not in ``locked_ids``."""
     nb = nbformat.read(path, as_version=4)
     protected = set(SETUP_NAMES)
+    sys_names = {"sys"}
     findings: list[Finding] = []
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
@@ -156,7 +197,7 @@ def scan_notebook(path, locked_ids: set[str]) -> list[Finding]:
             tree = ast.parse(source)
         except SyntaxError:
             continue  # it fails when run; nothing to tamper with
-        scanner = _Scanner(index, protected)
+        scanner = _Scanner(index, protected, sys_names)
         scanner.visit(tree)
         findings.extend(scanner.findings)
     return findings

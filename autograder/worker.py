@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -195,6 +196,7 @@ class _Prepared:
     kernel_box: sandbox.Sandbox | None
     host_box: sandbox.Sandbox | None
     started: float
+    kernel_dir: Path  # the kernel's sockets, connection file and settings (short_kernel_dir)
     duedate: str | None = None  # the course gradebook's, for nbgrader's late penalties
     cleared_flag: str | None = None  # why the instructor cleared this student's tamper flag
 
@@ -206,9 +208,23 @@ class _Prepared:
     def autograded(self) -> Path:
         return self.work / "autograded" / self.student / self.assignment
 
-    @property
-    def kernel_dir(self) -> Path:
-        return self.work / "kernel"
+
+
+# A Unix socket's path has at most 107 bytes (sun_path); the kernel's IPC sockets are named
+# ``{kernel_dir}/ipc-{port}``. Under OUT/work/{student}/ they exceeded it with a long student id
+# (an e-mail address) and a long output folder ("ZMQError: File name too long"), and nbgrader
+# dropped the submission. So the kernel's folder is a fresh one in the temporary folder, whatever
+# the names.
+MAX_KERNEL_DIR_CHARS = 48
+
+
+def short_kernel_dir() -> Path:
+    """A new private folder with a short path for a kernel's sockets: in ``$TMPDIR`` when that is
+    short, else in ``/tmp``."""
+    parent = tempfile.gettempdir()
+    if len(parent) > MAX_KERNEL_DIR_CHARS - 20:
+        parent = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="kernel-", dir=parent))
 
 
 def _prepare(job: dict) -> _Prepared:
@@ -227,7 +243,7 @@ def _prepare(job: dict) -> _Prepared:
 
     use_sandbox, sandbox_warning = sandbox.resolve(os.environ.get(SANDBOX_POLICY, "require"))
     autograded = work / "autograded" / student / assignment
-    kernel_dir, functions_dir, host_dir = (work / "kernel", work / "graded_functions",
+    kernel_dir, functions_dir, host_dir = (short_kernel_dir(), work / "graded_functions",
                                            work / "host")
     for folder in (kernel_dir, functions_dir, host_dir, autograded):
         folder.mkdir(parents=True, exist_ok=True)
@@ -251,8 +267,8 @@ def _prepare(job: dict) -> _Prepared:
     os.environ[GRADED_FUNCTIONS] = ",".join(
         sorted({name for cells in graded_outside.values() for name in trusted.graded_names(cells)}))
     return _Prepared(student, assignment, work, config, graded_outside, in_kernel, flags, moved,
-                     sandbox_warning, kernel_box, host_box, started, job.get("duedate"),
-                     job.get("cleared_flag"))
+                     sandbox_warning, kernel_box, host_box, started, kernel_dir,
+                     job.get("duedate"), job.get("cleared_flag"))
 
 
 def _rank_host(prepared: _Prepared, rank: int, relay_dir: Path) -> trusted.ObservationHost:
@@ -280,6 +296,13 @@ def _audited_cases_build_ddp(slugs) -> bool:
 
 def grade_one(job: dict) -> dict:
     prepared = _prepare(job)
+    try:
+        return _grade_prepared(prepared)
+    finally:
+        shutil.rmtree(prepared.kernel_dir, ignore_errors=True)
+
+
+def _grade_prepared(prepared: _Prepared) -> dict:
     with RelayedRanks(functools.partial(_rank_host, prepared)) as relayed:
         box = prepared.host_box
         if box is not None:  # it also hosts rank 0 of the communication-audited cases

@@ -98,9 +98,37 @@ def scan(source: str) -> list[str]:
     "import builtins",
     "torch.equal = lambda a, b: True",
     "integrity.assert_untampered = lambda: None",
-])
+    "import sys as s\nm = s.modules['ddpcourse.grading.exercises.global_metrics']",
+    "import os\nos.sys.modules",
+    "from os import sys as system\nsystem.modules",
+    "from sys import modules",
+    "import sys\ngetattr(sys, 'modu' + 'les')",
+    "import sys\nvars(sys)",
+    "import sys\nalias = sys\nalias.modules",
+    "torch.sys.modules",
+    "def f(e):\n    return e.__traceback__.tb_frame.f_back.f_locals",
+    "import sys\nsys._getframe(1)",
+    "import traceback\nfor frame, line in traceback.walk_stack(None):\n    pass",
+    "def g():\n    yield\ng().gi_frame.f_back",
+    "import inspect\ninspect.stack()",
+], ids=lambda source: source.replace("\n", "; ")[:50])
 def test_the_static_scan_flags_tampering(source):
     assert scan(source)
+
+
+def test_the_static_scan_accepts_every_public_nn_module_method():
+    """``modules`` is flagged only on ``sys``: ``net.modules()`` and every other public method of
+    ``nn.Module`` (called on a model, a wrapper's ``.module``, ``self``) is ordinary PyTorch."""
+    names = [name for name in dir(torch.nn.Module) if not name.startswith("_")]
+    assert "modules" in names and "named_modules" in names
+    for name in names:
+        for source in (f"def f(net):\n    return net.{name}", f"def f(model):\n    return "
+                       f"model.module.{name}", f"x = self.net.{name}()"):
+            assert scan(source) == [], source
+
+
+def test_the_static_scan_accepts_ordinary_uses_of_sys():
+    assert scan("import sys\nprint('x', file=sys.stderr)\nsys.stdout.flush()") == []
 
 
 def test_the_static_scan_accepts_ordinary_solutions():
@@ -117,6 +145,16 @@ def average_gradients(model):
         if p.grad is not None:
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
+''', '''
+def evaluate(model, dataset, batch_size):
+    net = model.module if isinstance(model, DDP) else model
+    modes = {m: m.training for m in net.modules()}
+    net.eval()
+    try:
+        pass
+    finally:
+        for m, training in modes.items():
+            m.train(training)
 ''']:
         assert scan(source) == [], source
 

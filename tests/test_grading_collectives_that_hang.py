@@ -216,14 +216,17 @@ def joins(model, shard, batch_size, lr):
     return steps
 
 
-def _skip_loop(stop_on_own_loss):
+def _skip_loop(stop_on_own_loss, only_nan=False):
     def train_skipping_bad_batches(model, batches, lr, stop_below):
         ddp_model = DDP(model)
         optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr)
         applied = []
         for step, (x, y) in enumerate(batches, start=1):
             loss = F.mse_loss(ddp_model(x), y)
-            bad = torch.tensor([0 if torch.isfinite(loss) else 1])
+            if only_nan:  # "not finite" read as NaN: an inf loss is trained on
+                bad = torch.tensor([1 if torch.isnan(loss) else 0])
+            else:
+                bad = torch.tensor([0 if torch.isfinite(loss) else 1])
             dist.all_reduce(bad)
             if bad.item():
                 continue
@@ -238,6 +241,20 @@ def _skip_loop(stop_on_own_loss):
                 break
         return applied
     return train_skipping_bad_batches
+
+
+def test_a_skip_that_only_looks_for_nan_fails_on_the_hidden_inf_batch():
+    """The contract skips a step whose loss is not finite on any rank; ``isnan`` passes every
+    visible situation (NaN and empty batches) and trains on the hidden batch whose loss is inf."""
+    only_nan = _skip_loop(stop_on_own_loss=False, only_nan=True)
+    checks.check_train_skipping_bad_batches(only_nan)
+    with_inf = [situation for situation in hidden.SKIP_SITUATIONS[3]
+                if any(kind == "inf" for _, _, kind in situation[4])]
+    assert with_inf
+    with pytest.raises(CheckFailed, match="the steps every rank applies"):
+        checks._run(checks.SKIP, 3, only_nan, with_inf, checks.HINTS["skip"], None, False)
+    checks._run(checks.SKIP, 3, _skip_loop(stop_on_own_loss=False), with_inf,
+                checks.HINTS["skip"], None, False)
 
 
 def zeroes_bad_gradients(model, batches, lr, stop_below):

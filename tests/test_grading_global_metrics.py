@@ -47,12 +47,15 @@ def the_solution():
 
 def make(share="strided", sampler=False, combine="sums", no_grad=True, eval_mode=True,
          restore="mode", module=True, numbers=True, empty_rank="all_reduce", empty_data="nan",
-         accumulate=torch.float64):
+         accumulate=torch.float64, grad_off="scoped"):
     """An evaluate with one rule changed; the defaults give a right one."""
     def evaluate(model, dataset, batch_size):
         rank, world = dist.get_rank(), dist.get_world_size()
         net = model.module if module and isinstance(model, DDP) else model
         was_training = net.training
+        modes = [(m, m.training) for m in net.modules()]
+        if grad_off == "left_off":
+            torch.set_grad_enabled(False)  # never undone
         n = len(dataset)
         if sampler:
             loader = DataLoader(dataset, batch_size=batch_size,
@@ -78,7 +81,10 @@ def make(share="strided", sampler=False, combine="sums", no_grad=True, eval_mode
                                      torch.tensor(len(y), dtype=accumulate)])
                 batch_means.append(loss / len(y))
         if restore == "mode":
-            net.train(was_training)
+            for m, training in modes:
+                m.train(training)
+        elif restore == "top":
+            net.train(was_training)  # every module alike
         elif restore == "train":
             net.train()
         if empty_rank == "skip" and sums[2] == 0:
@@ -190,6 +196,20 @@ def test_a_rank_without_samples_that_skips_the_all_reduce_is_stopped_at_the_dead
     assert "A rank with no samples must still call the same collectives" in message
 
 
+def test_global_state_after_the_call_is_checked():
+    """Gradients left disabled after the call (``torch.set_grad_enabled(False)`` never undone)
+    fail the visible check; a model whose BatchNorm was frozen in eval mode and comes back in
+    training mode (``model.train(was_training)`` sets every module alike) fails the hidden one."""
+    with pytest.raises(CheckFailed, match=r"after the call, gradients are disabled"):
+        checks.check_evaluate_matches_one_process(make(grad_off="left_off"))
+    top_only = make(restore="top")
+    for visible in VISIBLE.values():
+        visible(top_only)
+    with pytest.raises(CheckFailed, match=r"in train mode with its BatchNorm in eval mode, 9 "
+                                          r"samples.*1 module\(s\) in another mode"):
+        hidden.check_evaluate(top_only)
+
+
 def test_the_hidden_checks_catch_what_the_visible_ones_miss():
     zero_for_empty = make(empty_data="zero")
     for visible in VISIBLE.values():
@@ -241,6 +261,51 @@ def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(
     hidden.check_evaluate(right)
 
 
+def restores_every_module(model, dataset, batch_size):
+    """A right evaluate in another idiomatic style: it saves and restores the mode of every
+    submodule (``net.modules()``), as a model with a frozen BatchNorm needs."""
+    net = model.module if isinstance(model, DDP) else model
+    modes = [(m, m.training) for m in net.modules()]
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    sums = torch.zeros(3, dtype=torch.float64)
+    net.eval()
+    try:
+        with torch.inference_mode():
+            for x, y in DataLoader(Subset(dataset, range(rank, len(dataset), world_size)),
+                                   batch_size=batch_size):
+                logits = net(x)
+                sums += torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
+                                      (logits.argmax(1) == y).sum().item(), len(y)],
+                                     dtype=torch.float64)
+    finally:
+        for module, training in modes:
+            module.train(training)
+    dist.all_reduce(sums)
+    loss, correct, count = sums.tolist()
+    if not count:
+        return {"loss": math.nan, "accuracy": math.nan, "count": 0}
+    return {"loss": loss / count, "accuracy": correct / count, "count": int(count)}
+
+
+def test_a_right_answer_written_with_net_modules_is_not_flagged_and_gets_full_marks(host, tmp_path):
+    """``for m in net.modules()`` was flagged as tampering (the scan forbade the name
+    ``modules``, meant for ``sys.modules``): this right answer scored 0."""
+    import inspect
+    import textwrap
+
+    import nbformat
+
+    from autograder.tamper_scan import locked_ids_of, scan_notebook
+
+    nb = nbformat.read(SOURCE, as_version=4)
+    cell = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "evaluate")
+    cell.source = textwrap.dedent(inspect.getsource(restores_every_module)).replace(
+        "def restores_every_module(", "def evaluate(")
+    nbformat.write(nb, tmp_path / "global_metrics.ipynb")
+    assert scan_notebook(tmp_path / "global_metrics.ipynb", locked_ids_of(SOURCE)) == []
+    hidden.check_evaluate(submitted(restores_every_module, host))
+
+
 @pytest.mark.parametrize("wrong, check, message", [
     (make(sampler=True), checks.check_evaluate_counts_each_sample_once,
      "that is DistributedSampler's padding"),
@@ -283,7 +348,7 @@ def honest_reports(world_size=2):
                                "accuracy": {"type": "float", "number": ref["accuracy"],
                                             "text": ""},
                                "count": {"type": "int", "number": n, "text": ""}}},
-                "modes": [True] * MODULES,
+                "modes": [True] * MODULES, "grad_enabled_after": True,
                 "state": {k: v.clone() for k, v in ref["state"].items()},
                 "with_grad": [], "frozen": []})
         reports.append({"calls": calls})
@@ -306,6 +371,7 @@ DAMAGE = [
     (("calls", 0, "forwards", 0, "grad_enabled"), "no"),
     (("calls", 0, "modes"), "train"), (("calls", 0, "modes"), []), (("calls", 0, "modes"), [1]),
     (("calls", 0, "modes"), [False] * MODULES), (("calls", 0, "state"), []),
+    (("calls", 0, "grad_enabled_after"), False), (("calls", 0, "grad_enabled_after"), "yes"),
     (("calls", 0, "state"), {"x" * 100_000: 1}), (("calls", 0, "state", "head.bias"), "nan"),
     (("calls", 0, "state", "head.bias"), torch.zeros(4, dtype=torch.int64)),
     (("calls", 0, "state", "head.bias"), torch.ones(4)),
@@ -378,7 +444,7 @@ def test_the_loss_tolerance_accepts_float32_sums_and_rejects_the_mean_of_rank_me
     the situation); and neighbouring accuracies differ by far more than ACCURACY_ATOL."""
     worst, closest = 0.0, math.inf
     situations = situations_of_every_check()
-    assert len(situations) == 23
+    assert len(situations) == 24
     for world_size, s in situations:
         ref = checks.reference(s)  # raises on a near tie
         n = ref["count"]

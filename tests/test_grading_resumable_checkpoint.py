@@ -28,27 +28,31 @@ def make_save(writer="rank0", atomic="same-dir", barrier="after", prefix=False, 
               optimizer=True):
     """A save_checkpoint with one rule changed; the defaults give the right one.
 
-    writer: "rank0" or "every" rank. atomic: "same-dir" (temporary file next to it, os.replace),
-    "direct" (torch.save to the path), "other-dir" (temporary file in the temp folder, moved).
+    writer: "rank0", "every" rank, or "local_rank0" (LOCAL_RANK == 0: one writer per machine).
+    atomic: "same-dir" (temporary file next to it, os.replace), "direct" (torch.save to the
+    path), "other-dir" (temporary file in the temp folder, moved), "only-with-extras" (same-dir
+    when given extra keyword arguments, else direct).
     barrier: "after" the write, "before" it, or "none"."""
     def save_checkpoint(path, ddp_model, optimizer_, step, **extra):
         if barrier == "before":
             dist.barrier()
-        if writer == "every" or dist.get_rank() == 0:
+        rank = int(os.environ["LOCAL_RANK"]) if writer == "local_rank0" else dist.get_rank()
+        if writer == "every" or rank == 0:
             state = {"model": (ddp_model if prefix else ddp_model.module).state_dict(),
                      "step": step, **(extra if extras else {})}
             if optimizer:
                 state["optimizer"] = optimizer_.state_dict()
-            if atomic == "direct":
+            if atomic == "direct" or (atomic == "only-with-extras" and not extra):
                 torch.save(state, path)
             else:
-                folder = os.path.dirname(path) if atomic == "same-dir" else tempfile.gettempdir()
+                same_dir = atomic in ("same-dir", "only-with-extras")
+                folder = os.path.dirname(path) if same_dir else tempfile.gettempdir()
                 handle, temporary = tempfile.mkstemp(dir=folder)
                 with os.fdopen(handle, "wb") as file:
                     torch.save(state, file)
                     file.flush()
                     os.fsync(file.fileno())
-                if atomic == "same-dir":
+                if same_dir:
                     os.replace(temporary, path)
                 else:
                     shutil.move(temporary, path)
@@ -94,7 +98,7 @@ def test_the_reference_pair_passes_every_check():
     ((make_save(atomic="direct"), make_load()), checks.check_save_writes_the_contract,
      r"moved a file onto the final path 0 times"),
     ((make_save(atomic="direct"), make_load()), checks.check_a_crash_keeps_the_previous_checkpoint,
-     r"after the crash the file at the path does not load"),
+     r"its first \(normal\) save: rank 0 moved a file onto the final path 0 times"),
     ((make_save(atomic="other-dir"), make_load()), checks.check_save_writes_the_contract,
      r"not in the checkpoint's directory"),
     ((make_save(prefix=True), make_load()), checks.check_save_writes_the_contract,
@@ -140,6 +144,30 @@ def test_a_rank_that_returns_early_is_caught_over_an_existing_checkpoint_too():
         run_student(checks.SAVE, 3, together(make_save(barrier="none"), make_load()),
                     checks.setting(seed=5, previous=True))
     assert "was still the previous one (step -1)" in message_of(str(failed.value), 2)
+
+
+def test_a_writer_chosen_by_local_rank_is_caught_on_two_machines():
+    """``LOCAL_RANK == 0`` is rank 0 on one machine; every visible check passes. On 2 machines
+    of 2 ranks (the hidden save at 4 ranks), rank 2 writes too."""
+    local = (make_save(writer="local_rank0"), make_load())
+    checks.check_save_writes_the_contract(*local)
+    checks.check_resume_is_bit_exact(*local)
+    [two_machines] = [s for case, world_size, s in hidden.SITUATIONS if s["nodes"] > 1]
+    with pytest.raises(CheckFailed) as failed:
+        run_student(checks.SAVE, 4, together(*local), two_machines)
+    assert "on 2 machines" in message_of(str(failed.value), 2)
+    assert "only rank 0 may write (RANK, not LOCAL_RANK" in message_of(str(failed.value), 2)
+
+
+def test_every_save_is_audited_not_only_the_one_given_extra_arguments():
+    """A save that writes atomically only when the call looks like the write-audit's (extra
+    keyword arguments) writes the final path itself in the crash and resume checks."""
+    pretends = (make_save(atomic="only-with-extras"), make_load())
+    checks.check_save_writes_the_contract(*pretends)
+    with pytest.raises(CheckFailed, match=r"its save: rank 0 moved a file onto the final path 0"):
+        checks.check_resume_is_bit_exact(*pretends)
+    with pytest.raises(CheckFailed, match=r"its first \(normal\) save: rank 0 moved a file onto"):
+        checks.check_a_crash_keeps_the_previous_checkpoint(*pretends)
 
 
 def test_the_hidden_checks_catch_an_optimizer_hard_coded_in_the_load():

@@ -29,12 +29,15 @@ pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def make_train(resume=True, rng="each", optimizer=True, first="next", hook="after-save"):
+def make_train(resume=True, rng="each", optimizer=True, first="next", hook="after-save",
+               write="atomic"):
     """A train() with one rule changed; the defaults give the right one.
 
     resume: load the checkpoint at all. rng: restore "each" rank's state, "rank0"'s on every
     rank, or "none". optimizer: restore it. first: continue with the "next" step or "same"
-    (the saved step again). hook: call on_step "after-save" or "before-save"."""
+    (the saved step again). hook: call on_step "after-save" or "before-save". write: rank 0
+    writes "atomic"ally, "direct"ly onto the path, or every rank writes a file of its own
+    ("per-rank", no barrier)."""
     def train(ddp_model, optimizer_, batch_at, total_steps, checkpoint_dir, checkpoint_every,
               on_step):
         rank = dist.get_rank()
@@ -59,13 +62,17 @@ def make_train(resume=True, rng="each", optimizer=True, first="next", hook="afte
             if step % checkpoint_every == 0:
                 states = [None] * dist.get_world_size()
                 dist.all_gather_object(states, torch.get_rng_state())
-                if rank == 0:
+                state = {"model": ddp_model.module.state_dict(), "step": step,
+                         "optimizer": optimizer_.state_dict(), "rng": states}
+                if write == "direct" and rank == 0:
+                    torch.save(state, path)
+                elif write == "per-rank" or rank == 0:
                     handle, temporary = tempfile.mkstemp(dir=checkpoint_dir)
                     with os.fdopen(handle, "wb") as file:
-                        torch.save({"model": ddp_model.module.state_dict(), "step": step,
-                                    "optimizer": optimizer_.state_dict(), "rng": states}, file)
-                    os.replace(temporary, path)
-                dist.barrier()
+                        torch.save(state, file)
+                    os.replace(temporary, path if rank == 0 else f"{path}.{rank}")
+                if write != "per-rank":
+                    dist.barrier()
             if hook == "after-save":
                 on_step(step)
     return train
@@ -91,7 +98,10 @@ def test_the_right_loop_passes_every_check_without_torchrun():
     (make_train(rng="rank0"), "final weights differ from an uninterrupted run"),
     (make_train(optimizer=False), "the optimizer's state"),
     (make_train(first="same"), "its first step was 4, expected 5"),
-], ids=["from-scratch", "no-rng", "rank0-rng-everywhere", "no-optimizer", "redo-saved-step"])
+    (make_train(write="direct"), "at the checkpoint of step 2, rank 0 moved no file into place"),
+    (make_train(write="per-rank"), "rank 1: .*this rank wrote in the checkpoint directory"),
+], ids=["from-scratch", "no-rng", "rank0-rng-everywhere", "no-optimizer", "redo-saved-step",
+        "not-atomic", "a-file-per-rank"])
 def test_a_wrong_loop_is_caught_with_what_went_wrong(train, message):
     with pytest.raises(CheckFailed, match=message.replace("(", r"\(").replace(")", r"\)")):
         stopped(train)

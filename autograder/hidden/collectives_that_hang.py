@@ -1,6 +1,7 @@
 """Hidden checks for chapter 09's collectives_that_hang: 3 and 4 ranks for every lab, and the
 situations a 2-rank fix can get right by luck: other shard lengths (one of them empty, all equal),
-a bad batch on rank 0 or on two ranks at once, an empty batch, no bad batch at all, an early stop
+a bad batch on rank 0 or on two ranks at once, an empty batch, a batch whose loss is inf
+(not finite, though not NaN), no bad batch at all, an early stop
 decided by the mean although one rank's own loss is already below the threshold, a last batch of
 one row, equal sizes. They run the visible module's Cases (situations passed as data), so they
 run only in the trusted grader."""
@@ -18,7 +19,7 @@ SHARD_SITUATIONS = {
 }
 SKIP_SITUATIONS = {
     3: [(4, 6, 0.1, 0.05, [[0, 1, "nan"], [2, 1, "nan"]], 2),
-        (4, 5, 0.1, 0.05, [[2, 3, "empty"]], 3),
+        (4, 5, 0.1, 0.05, [[2, 3, "empty"], [0, 2, "inf"]], 3),
         (4, 8, 0.3, 0.25, [], 4)],
     4: [(3, 6, 0.2, 0.05, [[3, 2, "nan"], [1, 4, "empty"]], 5),
         (3, 8, 0.3, 0.2, [[0, 1, "nan"]], 6)],

@@ -1,6 +1,7 @@
 """Hidden checks for chapter 07's ``evaluate``: 1, 3 and 4 ranks, empty data sets, one sample,
 fewer samples than ranks (also with a DDP-wrapped model, where calling the wrapper's forward
-deadlocks), batches larger than the data set, tensor labels. Every check runs the visible
+deadlocks), batches larger than the data set, tensor labels, a model whose modules are not all in
+one mode (BatchNorm frozen in eval mode: each module's mode must come back as it was). Every check runs the visible
 module's Case (the situations are passed as data), so it runs only in the trusted grader."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ FOUR_RANKS = [
     situation(3, 2, seed=17), situation(13, 2, seed=18, labels="tensor"),
     situation(4, 100, seed=19, mode="eval"), situation(1, 1, seed=20), situation(0, 3, seed=21),
     situation(10, 3, seed=22, ddp=True), situation(17, 4, seed=23, mode="eval"),
+    situation(9, 4, seed=24, mode="frozen_norm", ddp=True),
 ]
 
 

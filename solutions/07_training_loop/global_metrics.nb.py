@@ -29,17 +29,16 @@
 #   samples out. Fine for training, wrong for an exact metric;
 # * letting rank 0 gather the answer (`dist.reduce`): the other ranks are left with a part of it.
 #
-# What is right: every rank adds up **sums and counts** over its share (sum of the losses, number
-# correct, number of samples), one `all_reduce` adds those up over the ranks and gives every rank
-# the same totals, and each rank divides once.
+# Your task: find what each rank must compute over its share so that a collective gives every
+# rank the exact numbers of one process evaluating everything, whatever the shares' sizes.
 #
 # **How your code runs.** The tests call your function on every rank of a real gloo process group
 # (like a function given to `run_ranks(fn, world_size)`): use the default group, never
 # `init_process_group` in this notebook.
 #
 # **Self-check** from the repository root: `pytest exercises/07_training_loop/global_metrics.ipynb`.
-# Hidden tests (1, 3 and 4 ranks, empty data sets, a DDP model with fewer samples than ranks) run
-# when the notebook is graded. Keep the name and signature exactly as given.
+# Hidden tests (1, 3 and 4 ranks, empty data sets, a DDP model with fewer samples than ranks, a
+# model whose modules are not all in one mode) run when the notebook is graded. Keep the name and signature exactly as given.
 
 # %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Setup - locked. Run it first, and keep it the FIRST code cell: the tests rely on it.
@@ -112,23 +111,15 @@ def evaluate(model: nn.Module, dataset, batch_size: int) -> dict:
             into the `x` and `y` of a batch.
         batch_size: the most samples one forward may take.
 
-    What each rank does:
+    Requirements:
 
-    1. Take its own share of the sample indices: at most `ceil(len(dataset) / world_size)` of
-       them, and the ranks' shares together are every index exactly once (e.g. indices
-       `range(rank, len(dataset), world_size)`). Not `DistributedSampler`: it pads the shares by
-       repeating samples (or, with `drop_last=True`, leaves samples out). No rank evaluates the
-       whole data set (unless it is the only rank). With fewer samples than ranks, some ranks get
-       no samples.
-    2. Evaluate its share in batches of at most `batch_size` samples: the model in eval mode, under
-       `torch.no_grad()` (or `torch.inference_mode()`); call the model on the samples' `x`,
-       stacked as they are. Add up over its share, not averages: the sum of the per-sample
-       cross-entropy losses (`F.cross_entropy(logits, y, reduction="sum")`), the number of
-       samples whose largest logit is the label, and the number of samples.
-    3. Combine those sums with a collective (`dist.all_reduce` of one tensor is enough), so that
-       every rank holds the totals. Every rank takes part, also a rank with no samples (it adds
-       zeros): a rank that skips the collective leaves the others waiting forever.
-    4. Divide once, the same way on every rank.
+    * The work is shared: no rank runs the model on more than `ceil(len(dataset) / world_size)`
+      samples, and together the ranks run it on every sample exactly once. With fewer samples
+      than ranks, some ranks have none, and still take part in every collective their peers call.
+    * Every forward takes at most `batch_size` samples, stacked as they are, with the model in
+      eval mode and gradients off.
+    * The loss of a sample is its cross-entropy (`F.cross_entropy`); a sample is correct when its
+      largest logit is its label.
 
     Returns:
         On every rank the same dict, with exactly these keys:
@@ -139,15 +130,15 @@ def evaluate(model: nn.Module, dataset, batch_size: int) -> dict:
         empty data set: `{"loss": math.nan, "accuracy": math.nan, "count": 0}` (a mean of
         nothing; `F.cross_entropy` of an empty batch says nan too).
 
-    The model is left as it was handed in: the same mode afterwards (if it was in training mode,
-    it is in training mode again; the tests hand in models whose modules are all in one mode),
-    the same parameters and buffers bit for bit, no `.grad` on any parameter, `requires_grad`
-    untouched.
+    Everything is left as it was handed in: every module of the model in the mode it had (a
+    model in training mode may hold a BatchNorm frozen in eval mode), the same parameters and
+    buffers bit for bit, no `.grad` on any parameter, `requires_grad` untouched, and gradients
+    enabled or disabled afterwards as they were before the call.
     """
     ### BEGIN SOLUTION
     rank, world_size = dist.get_rank(), dist.get_world_size()
     net = model.module if isinstance(model, DDP) else model  # never the wrapper's forward
-    was_training = net.training
+    modes = [(module, module.training) for module in net.modules()]  # each its own mode
     mine = Subset(dataset, range(rank, len(dataset), world_size))  # each index once, even shares
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
     net.eval()
@@ -159,7 +150,8 @@ def evaluate(model: nn.Module, dataset, batch_size: int) -> dict:
                 totals[1] += (logits.argmax(dim=1) == y).sum()
                 totals[2] += len(y)
     finally:
-        net.train(was_training)
+        for module, training in modes:
+            module.train(training)
     dist.all_reduce(totals)  # every rank, with or without samples: the same totals everywhere
     loss_sum, correct, count = totals.tolist()
     count = int(count)

@@ -125,12 +125,13 @@ def shard_batches(seed: int, rank: int, length: int, batch_size: int) -> list:
 
 
 def bad_batch(seed: int, rank: int, step: int, rows: int, kind: str) -> tuple:
-    """Lab 4's batch that must be skipped: a NaN in its first row, or no rows at all."""
+    """Lab 4's batch that must be skipped: a NaN (``kind="nan"``) or an infinity (``"inf"``,
+    whose loss is inf: not finite, yet not NaN) in its first row, or no rows at all."""
     x, y = make_batch(seed, rank, step, rows)
     if kind == "empty":
         return x[:0], y[:0]
     x = x.clone()
-    x[0, 0] = float("nan")
+    x[0, 0] = float("inf") if kind == "inf" else float("nan")
     return x, y
 
 

@@ -134,8 +134,9 @@ class LabelledRows(Dataset):
 
 def situation(samples: int, batch_size: int, seed: int = 0, mode: str = "train",
               ddp: bool = False, labels: str = "int") -> dict:
-    """One call of ``evaluate``: ``mode`` is the mode the model is handed in ("train" or
-    "eval"); ``ddp``: the model is handed in wrapped in DistributedDataParallel."""
+    """One call of ``evaluate``: ``mode`` is the mode the model is handed in ("train", "eval",
+    or "frozen_norm": training mode with its BatchNorm in eval mode, as when fine-tuning with
+    frozen statistics); ``ddp``: the model is handed in wrapped in DistributedDataParallel."""
     return {"samples": samples, "batch_size": batch_size, "seed": seed, "mode": mode, "ddp": ddp,
             "labels": labels}
 
@@ -143,7 +144,9 @@ def situation(samples: int, batch_size: int, seed: int = 0, mode: str = "train",
 def describe(s: dict, world_size: int) -> str:
     model = "a DDP-wrapped model" if s["ddp"] else "a model"
     labels = ", labels as 0-d tensors" if s["labels"] == "tensor" else ""
-    return (f"evaluate({model} in {s['mode']} mode, {s['samples']} samples{labels}, "
+    mode = ("train mode with its BatchNorm in eval mode" if s["mode"] == "frozen_norm"
+            else f"{s['mode']} mode")
+    return (f"evaluate({model} in {mode}, {s['samples']} samples{labels}, "
             f"batch_size={s['batch_size']}) on {world_size} rank{'s' * (world_size > 1)}")
 
 
@@ -188,8 +191,19 @@ def _build(rank: int, s: dict):
         from torch.nn.parallel import DistributedDataParallel
 
         handed_in = DistributedDataParallel(model)  # a collective: every rank builds it
-    handed_in.train(s["mode"] == "train")  # the wrapper and every module of the model alike
+    handed_in.train(s["mode"] != "eval")  # the wrapper and every module of the model alike
+    if s["mode"] == "frozen_norm":
+        model.body[1].eval()
     return model, handed_in, LabelledRows(s["samples"], s["seed"], s["labels"])
+
+
+def modes_handed_in(s: dict) -> list[bool]:
+    """The ``training`` flag of every module handed in (the wrapper first, where there is one),
+    in ``modules()`` order, as :func:`_build` sets them; built without a process group."""
+    model = make_model(s["seed"]).train(s["mode"] != "eval")
+    if s["mode"] == "frozen_norm":
+        model.body[1].eval()
+    return [s["mode"] != "eval"] * s["ddp"] + [m.training for m in model.modules()]
 
 
 class StoppedByTheCheck(RuntimeError):
@@ -231,7 +245,10 @@ def observe_call(rank: int, world_size: int, evaluate, s: dict) -> dict:
     finally:
         for hook in hooks:
             hook.remove()
+        grad_enabled_after = torch.is_grad_enabled()
+        torch.set_grad_enabled(True)  # as every call finds it, whatever the last one left
     return {
+        "grad_enabled_after": grad_enabled_after,
         "forward_calls": calls[0], "wrapper_forward_calls": calls[1], "forwards": forwards,
         "result": _described_result(result),
         "modes": [m.training for m in handed_in.modules()],
@@ -381,11 +398,25 @@ def _judge_together(batches_by_rank: list, ref: dict, world_size: int, what: str
 
 
 def _judge_model_after(call, ref: dict, s: dict, what: str) -> None:
+    grad_after = observed(call, "grad_enabled_after", bool)
+    if not grad_after:
+        raise CheckFailed(
+            f"{what}: after the call, gradients are disabled (torch.is_grad_enabled() is False): "
+            "the training loop that called evaluate would go on without autograd. Disable them "
+            "only inside the call: `with torch.no_grad():` (or torch.inference_mode()), not "
+            "torch.set_grad_enabled(False) left as it is")
     modes = observed(call, "modes", list)
-    training = s["mode"] == "train"
+    training = s["mode"] != "eval"
     if not modes or not all(type(m) is bool for m in modes):
         raise CheckFailed("the rank's report has 'modes' that are not a list of bools")
-    if any(m != training for m in modes):
+    want = modes_handed_in(s)
+    if s["mode"] == "frozen_norm" and modes != want and any(modes) and len(modes) == len(want):
+        raise CheckFailed(
+            f"{what}: the model came back with {sum(m != w for m, w in zip(modes, want))} "
+            "module(s) in another mode than they were handed in (here its BatchNorm, frozen in "
+            "eval mode, came back in training mode): model.train(was_training) sets every "
+            "module alike; remember and restore each module's own mode (model.modules())")
+    if modes != want:
         if training:
             raise CheckFailed(
                 f"{what}: the model was handed in in training mode and came back "

@@ -18,7 +18,9 @@ half, so that one mistake fails one test:
   when it returned: rank 0's extra value holds the serialisation until every other rank has
   returned or a second has passed, and each other rank reads the file as soon as its call
   returns, so a rank that does not wait for the write (no barrier) is caught every time, not by
-  luck.
+  luck. Every save of every case is audited the same way (``judge_writes``), with or without
+  extra keyword arguments, and the large hidden save runs as 2 machines of 2 ranks
+  (:class:`as_launched_on_nodes`), where a writer chosen by ``LOCAL_RANK`` shows up.
 * ``CRASH`` (one rank): a second save whose extra value raises while it is serialised, the way a
   crash or a full disk would interrupt it. The previous checkpoint must still be at ``path``,
   loadable and unchanged.
@@ -70,12 +72,42 @@ class Net(nn.Module):
 
 
 def setting(seed: int = 0, optimizer: str = "adam", steps: int = 2, more: int = 2,
-            step: int | None = None, previous: bool = False) -> dict:
+            step: int | None = None, previous: bool = False, nodes: int = 1) -> dict:
     """One situation: the optimizer, the grader's steps before the save (``steps``) and after it
-    (``more``), the step number saved (``steps`` unless given), and whether an older checkpoint
-    is at the path already (``previous``: the save replaces it)."""
+    (``more``), the step number saved (``steps`` unless given), whether an older checkpoint
+    is at the path already (``previous``: the save replaces it), and on how many machines the
+    ranks run (``nodes``: the environment torchrun sets there, where ``LOCAL_RANK`` is not
+    ``RANK``; see :func:`as_launched_on_nodes`)."""
     return {"seed": seed, "optimizer": optimizer, "steps": steps, "more": more,
-            "step": steps if step is None else step, "previous": previous}
+            "step": steps if step is None else step, "previous": previous, "nodes": nodes}
+
+
+class as_launched_on_nodes:
+    """Within it, the rank's environment is what torchrun sets for rank ``rank`` of
+    ``world_size`` ranks spread evenly over ``nodes`` machines (``torch/distributed/elastic/
+    agent/server/local_elastic_agent.py``, ``_start_workers``): ``LOCAL_RANK`` and
+    ``GROUP_RANK`` (the node) differ from ``RANK`` beyond the first machine. Restored after."""
+
+    def __init__(self, rank: int, world_size: int, nodes: int):
+        per_node = max(1, world_size // max(1, nodes))
+        self.values = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": rank % per_node,
+                       "LOCAL_WORLD_SIZE": per_node, "GROUP_RANK": rank // per_node,
+                       "GROUP_WORLD_SIZE": nodes, "ROLE_RANK": rank,
+                       "ROLE_WORLD_SIZE": world_size}
+        self.saved: dict = {}
+
+    def __enter__(self):
+        for name, value in self.values.items():
+            self.saved[name] = os.environ.get(name)
+            os.environ[name] = str(value)
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def make_model(seed: int) -> Net:
@@ -264,8 +296,9 @@ def observe_save(rank, world_size, functions, s):
     audit = _start_audit(directory)
     raised = None
     try:
-        save_checkpoint(path, ddp_model, optimizer, s["step"], written_by=mark,
-                        note=f"s{s['seed']}")
+        with as_launched_on_nodes(rank, world_size, s.get("nodes", 1)):
+            save_checkpoint(path, ddp_model, optimizer, s["step"], written_by=mark,
+                            note=f"s{s['seed']}")
     except Exception as exc:  # noqa: BLE001 - reported, judged outside
         raised = exc
     finally:
@@ -291,10 +324,13 @@ def observe_crash(rank, world_size, functions, s):
     optimizer = make_optimizer(s["optimizer"], ddp_model)
     train(ddp_model, optimizer, s["seed"], range(s["steps"]), rank)
     first = second = None
+    audit = _start_audit(directory)
     try:
         save_checkpoint(path, ddp_model, optimizer, s["step"])
     except Exception as exc:  # noqa: BLE001 - reported, judged outside
         first = exc
+    finally:
+        _stop_audit()
     before = read_checkpoint(path)
     train(ddp_model, optimizer, s["seed"], range(s["steps"], s["steps"] + 1), rank)
     try:
@@ -302,7 +338,7 @@ def observe_crash(rank, world_size, functions, s):
     except Exception as exc:  # noqa: BLE001 - the crash is expected to come through
         second = exc
     return {"first_raised": _raised(first), "second_raised": _raised(second),
-            "before": before, "after": read_checkpoint(path)}
+            "before": before, "after": read_checkpoint(path), "writes": audit["writes"]}
 
 
 def write_reference_checkpoint(path: str, s: dict) -> None:
@@ -363,8 +399,11 @@ def observe_resume(rank, world_size, functions, s):
     first_optimizer = make_optimizer(s["optimizer"], first)
     train(first, first_optimizer, s["seed"], range(s["steps"]), rank)
     raised = returned = None
+    audit = _start_audit(directory)
     try:
-        save_checkpoint(path, first, first_optimizer, s["steps"])
+        with as_launched_on_nodes(rank, world_size, s.get("nodes", 1)):
+            save_checkpoint(path, first, first_optimizer, s["steps"])
+        _stop_audit()
         train(first, first_optimizer, s["seed"], range(s["steps"], s["steps"] + s["more"]), rank)
         second = DistributedDataParallel(make_model(s["seed"] + 1000 + rank))
         second_optimizer = make_optimizer(s["optimizer"], second)
@@ -374,7 +413,9 @@ def observe_resume(rank, world_size, functions, s):
                   rank)
     except Exception as exc:  # noqa: BLE001 - reported, judged outside
         raised = exc
-    return {"raised": _raised(raised), "returned": _returned(returned),
+    finally:
+        _stop_audit()
+    return {"raised": _raised(raised), "returned": _returned(returned), "writes": audit["writes"],
             "uninterrupted": model_state(first.module),
             "resumed": model_state(second.module) if raised is None else None}
 
@@ -438,7 +479,9 @@ def _same_optimizer(got: Any, expected: dict, what: str) -> None:
 
 
 def _shown(s: dict, world_size: int, what: str) -> str:
-    return f"{what} ({world_size} rank(s), {s['optimizer']}, step {s['step']})"
+    nodes = s.get("nodes", 1)
+    machines = f" on {nodes} machines" if nodes > 1 else ""
+    return f"{what} ({world_size} rank(s){machines}, {s['optimizer']}, step {s['step']})"
 
 
 def judge_save(observations, world_size, s):
@@ -481,15 +524,28 @@ def judge_save(observations, world_size, s):
 def _judge_writer(rank: int, observation: Any, what: str) -> None:
     serialised = observed(observation, "serialised", int)
     writes = observed(observation, "writes", list)
-    if rank != 0 and (serialised or writes):
-        raise CheckFailed(f"{what}: this rank wrote to the checkpoint's directory "
-                          f"({_describe_writes(writes) or 'it serialised the checkpoint'}): only "
-                          "rank 0 may write; the other ranks only wait (dist.barrier())")
-    if rank != 0:
-        return
-    if serialised == 0:
+    if rank != 0 and serialised and not writes:
+        raise CheckFailed(f"{what}: this rank wrote to the checkpoint's directory (it serialised "
+                          "the checkpoint): only rank 0 may write; the other ranks only wait "
+                          "(dist.barrier())")
+    if rank == 0 and serialised == 0:
         raise CheckFailed(f"{what}: rank 0 never serialised its extra keyword arguments: save "
                           "them in the checkpoint (torch.save of one dict)")
+    judge_writes(rank, observation, what)
+
+
+def judge_writes(rank: int, observation: Any, what: str) -> None:
+    """Every save is audited (with extra keyword arguments or without, on one machine or
+    several): ranks other than 0 write nothing in the directory; rank 0 puts the final path in
+    place with exactly one ``os.replace`` from the same directory."""
+    writes = observed(observation, "writes", list)
+    if rank != 0 and writes:
+        raise CheckFailed(f"{what}: this rank wrote to the checkpoint's directory "
+                          f"({_describe_writes(writes)}): only rank 0 may write (RANK, not "
+                          "LOCAL_RANK: every machine has a local rank 0); the other ranks only "
+                          "wait (dist.barrier())")
+    if rank != 0:
+        return
     final_writes = [w for w in writes if isinstance(w, list) and len(w) == 3 and w[1] == FILE_NAME]
     opened = [w for w in final_writes if w[0] != "replace"]
     replaced = [w for w in final_writes if w[0] == "replace"]
@@ -532,6 +588,7 @@ def judge_crash(observations, world_size, s):
     what = _shown(s, world_size, "a save_checkpoint that crashes midway")
     [observation] = observations
     _no_exception(observation, what, "first_raised", "the first (normal) save_checkpoint")
+    judge_writes(0, observation, f"{what}, its first (normal) save")
     before = observed(observation, "before", dict)
     if not before.get("loads") or not isinstance(before.get("content"), dict):
         raise CheckFailed(f"{what}: the first save left no loadable checkpoint")
@@ -599,6 +656,7 @@ def judge_resume(observations, world_size, s):
             f"{s['steps'] + s['more'] - 1}; then a fresh model that load_checkpoint()s and runs "
             f"the same last steps ({world_size} rank(s), {s['optimizer']})")
     judge_each_rank(observations, lambda rank, o: _no_exception(o, what))
+    judge_each_rank(observations, lambda rank, o: judge_writes(rank, o, f"{what}: its save"))
 
     def judge_rank(rank, observation):
         returned = observed(observation, "returned", dict)

@@ -254,14 +254,20 @@ def _shared_directory(rank: int) -> str:
 
 
 def observe_stopped(rank, world_size, train, s):
+    """Every write of ``train`` in the checkpoint directory is audited (the audit hook of
+    resumable_checkpoint); ``on_step`` records how many there were so far."""
+    from ddpcourse.grading.exercises.resumable_checkpoint import _start_audit, _stop_audit
+
     directory = _shared_directory(rank)
-    steps, raised = [], None
+    steps, raised, marks = [], None, []
     ddp_model = None
+    audit = _start_audit(directory)
     for part, stop in enumerate([*s["stops"], None]):
         ddp_model, optimizer = fresh_start(s, rank)
 
         def on_step(step, part=part, stop=stop):
             steps.append([part, _step_value(step)])
+            marks.append(len(audit["writes"]))
             if stop is not None and step == stop:
                 raise StopTraining(f"the grader stops every rank after step {step}")
 
@@ -276,7 +282,8 @@ def observe_stopped(rank, world_size, train, s):
         except Exception as exc:  # noqa: BLE001 - reported, judged outside
             raised = _raised(exc)
             break
-    return {"raised": raised, "steps": steps,
+    _stop_audit()
+    return {"raised": raised, "steps": steps, "writes": audit["writes"], "marks": marks,
             "final": model_state(ddp_model.module) if raised is None else None}
 
 
@@ -377,6 +384,49 @@ def judge_killed(observations, world_size, s):
     _judge_weights(observation.get("final"), s, what)
 
 
+def _judge_checkpoint_writes(rank: int, observation: Any, s: dict, what: str) -> None:
+    """Only rank 0 writes in the directory, and it puts every checkpoint in place atomically:
+    at each checkpoint step one ``os.replace`` from a file in the same directory, and no file it
+    writes directly is one that a replace puts in place (a plain torch.save onto the checkpoint
+    truncates it first)."""
+    writes = observed(observation, "writes", list)
+    marks = observed(observation, "marks", list)
+    steps = observed(observation, "steps", list)
+    if not all(isinstance(w, list) and len(w) == 3 and all(isinstance(x, str) for x in w)
+               for w in writes) or not all(type(m) is int for m in marks) or \
+            len(marks) != len(steps):
+        raise CheckFailed("the rank's report has malformed 'writes' or 'marks'")
+    if rank != 0:
+        if writes:
+            shown = "; ".join(f"{w[0]} {w[1]}" for w in writes[:3])
+            raise CheckFailed(f"{what}: this rank wrote in the checkpoint directory "
+                              f"({cut_text(shown, 200)}): only rank 0 writes the checkpoint, "
+                              "and every rank waits for it (dist.barrier())")
+        return
+    targets = {w[1] for w in writes if w[0] == "replace"}
+    direct = sorted({w[1] for w in writes if w[0] != "replace"} & targets)
+    if direct:
+        raise CheckFailed(f"{what}: rank 0 wrote {cut_text(direct[0], 80)} directly, the file it "
+                          "also puts in place with os.replace: write a temporary file, then "
+                          "os.replace it onto the checkpoint")
+    before = 0
+    for entry, mark in zip(steps, marks):
+        step = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+        if type(step) is int and step % s["every"] == 0:
+            moved = [w for w in writes[before:mark] if w[0] == "replace"]
+            if not moved:
+                raise CheckFailed(
+                    f"{what}: at the checkpoint of step {step}, rank 0 moved no file into place "
+                    "with os.replace: a torch.save straight onto the checkpoint's path is not "
+                    "atomic (a crash midway leaves it truncated). Write a temporary file in the "
+                    "same directory, then os.replace(temporary, path)")
+            if any(os.sep in w[2] or w[2].startswith("..") for w in moved):
+                raise CheckFailed(f"{what}: at step {step}, rank 0 moved a file from outside "
+                                  "the checkpoint directory: os.replace is atomic only within "
+                                  "one file system; write the temporary file next to it")
+        before = mark
+
+
 def judge_stopped(observations, world_size, s):
     what = (f"{world_size} rank(s) stopped after step(s) {', '.join(map(str, s['stops']))} and "
             f"started again each time on a fresh model and optimizer ({s['total_steps']} steps, "
@@ -395,6 +445,7 @@ def judge_stopped(observations, world_size, s):
                    and entry[0] == part]
             run = "the first run" if part == 0 else f"run {part + 1} (after the stop at {start})"
             _judge_steps(ran, last_checkpoint(start, s["every"]) + 1, end, f"{what}: {run}")
+        _judge_checkpoint_writes(rank, observation, s, what)
         _judge_weights(observation.get("final"), s, what)
 
     judge_each_rank(observations, judge_rank)
