@@ -70,8 +70,8 @@ setup_notebook("global_metrics")
 # (torch 2.13), `DistributedDataParallel.forward` calls `_pre_forward`, which, when
 # `_check_sync_bufs_pre_fwd()` says so, calls `_sync_buffers`: it broadcasts rank 0's buffers
 # (here BatchNorm's running statistics) to every rank at the first forward after the wrapper was
-# built and at the first forward after every forward with gradients on, that is after every
-# training step (with the default `broadcast_buffers=True`, for any model that has buffers).
+# built and at the first forward after every forward with gradients on outside `no_sync()`, that
+# is after every synchronised training step (with the default `broadcast_buffers=True`, for any model that has buffers).
 # That broadcast is a collective: every rank must make it. While evaluating, ranks run different
 # numbers of forwards (a share of 4 samples in batches of 4 is one batch, an empty share none), so
 # a rank that makes no forward leaves its peers waiting forever in the broadcast. The plain module

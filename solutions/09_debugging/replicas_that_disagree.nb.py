@@ -291,9 +291,11 @@ print("passed")
 #
 # BatchNorm keeps buffers, not parameters: `running_mean`, `running_var`, `num_batches_tracked`.
 # Training forwards update them from each rank's own batch, and evaluation normalises with them.
-# By default DDP copies rank 0's buffers to every rank at the start of each forward through the
-# wrapper (`DistributedDataParallel._pre_forward` calls `_sync_buffers`, which broadcasts from
-# rank 0). The switch is `forward_sync_buffers` in torch 2.13; its older name
+# By default DDP copies rank 0's buffers to every rank at the start of a forward through the
+# wrapper whenever the previous forward ran with gradients on and outside `no_sync()` (and at the
+# first forward after wrapping): `DistributedDataParallel._pre_forward` calls `_sync_buffers`,
+# which broadcasts from rank 0, when `will_sync_module_buffers()` holds, and `_post_forward`
+# re-arms it only after such a forward (chapter 07 counts the broadcasts). The switch is `forward_sync_buffers` in torch 2.13; its older name
 # `broadcast_buffers`, the one in the cell below, is deprecated there and warns (the
 # `FutureWarning` the cell prints; `broadcast_buffers=False` also skips the sync of the
 # buffers when the wrapper is built, `forward_sync_buffers=False` does not). Turned off, the
@@ -378,7 +380,7 @@ def train_and_evaluate(model: nn.Module, batches: list, lr: float,
     Afterwards, on every rank, `model` (the object handed in, trained in place) holds
     bit-identical parameters AND buffers: the running statistics are rank 0's, as DDP keeps them
     by default (`forward_sync_buffers=True`, formerly `broadcast_buffers=True`: rank 0's buffers
-    are broadcast to every rank before each forward through the wrapper).
+    are broadcast to every rank before the forward that follows a training forward).
 
     Returns:
         The model's output on `eval_x` in evaluation mode (normalised with the running
