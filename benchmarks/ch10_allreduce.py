@@ -5,8 +5,8 @@
 
 Runs ``measure`` of chapters/10_performance/allreduce_bandwidth.py in real process groups
 (``ddpcourse.launcher.run_ranks``: a deadline, no fixed port) for each world size, then fits the
-α–β model of ``ddpcourse.cost_model`` (``α + 2(N−1)/N · n / β``) to the best times of all of them
-together (:func:`fit_alpha_beta`) and writes, beside every measured point, what the fit predicts
+α–β model of ``ddpcourse.cost_model`` (``α + 2(N−1)/N · n / β``) to the best times, once
+per world size (:func:`fit_alpha_beta`) and writes, beside every measured point, what the fit predicts
 and its error. The record starts with ``ddpcourse.timing.reference_header`` (machine, date, torch,
 this command, how busy the machine was) and carries ``ddpcourse.timing.judge``'s verdict on the
 repeats. The lesson plots benchmarks/results/ch10_allreduce.json beside its live run.
@@ -71,13 +71,18 @@ def main() -> int:
         rows = run_ranks(ab.measure, world_size, sizes, repeats, backend="gloo", timeout=900)[0]
         print(f"{world_size} ranks:\n{ab.format_table(rows)}")
         record["rows"].extend(rows)
-    link = fit_alpha_beta([(r["bytes"], r["world_size"], r["best_s"]) for r in record["rows"]])
-    for r in record["rows"]:
-        r["predicted_s"] = allreduce_time(r["bytes"], r["world_size"], link)
-        r["prediction_error"] = r["predicted_s"] / r["best_s"] - 1
-    record["fit"] = {"alpha_s": link.alpha_s, "beta_bytes_per_s": link.beta_bytes_per_s,
-                     "method": "fit_alpha_beta: least squares on relative error, best times"}
-    print(f"fit: alpha = {link.alpha_s * 1e6:.1f} us, beta = {link.beta_bytes_per_s / 1e9:.3f} GB/s")
+    record["fit"] = {"method": "fit_alpha_beta: least squares on relative error, best times, "
+                               "one fit per world size (ranks beyond the cores raise α)"}
+    for world_size in args.world_sizes:
+        rows = [r for r in record["rows"] if r["world_size"] == world_size]
+        link = fit_alpha_beta([(r["bytes"], world_size, r["best_s"]) for r in rows])
+        for r in rows:
+            r["predicted_s"] = allreduce_time(r["bytes"], world_size, link)
+            r["prediction_error"] = r["predicted_s"] / r["best_s"] - 1
+        record["fit"][str(world_size)] = {"alpha_s": link.alpha_s,
+                                          "beta_bytes_per_s": link.beta_bytes_per_s}
+        print(f"fit, {world_size} ranks: alpha = {link.alpha_s * 1e6:.1f} us, "
+              f"beta = {link.beta_bytes_per_s / 1e9:.3f} GB/s")
     print(f"{'ranks':>5} {'size':>9} {'measured us':>12} {'predicted us':>13} {'error':>7}")
     for r in record["rows"]:
         print(f"{r['world_size']:>5} {ab.human(r['bytes']):>9} {r['best_s'] * 1e6:>12.1f} "

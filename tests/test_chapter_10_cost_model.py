@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,10 +116,26 @@ def test_the_recorded_allreduce_run_and_its_fit_agree():
     assert {r["world_size"] for r in record["rows"]} == {2, 4}
     assert min(r["bytes"] for r in record["rows"]) == 1024
     assert max(r["bytes"] for r in record["rows"]) == 256 * cm.MiB
-    link = bench.fit_alpha_beta([(r["bytes"], r["world_size"], r["best_s"])
-                                 for r in record["rows"]])
-    assert link.alpha_s == pytest.approx(record["fit"]["alpha_s"])
-    assert link.beta_bytes_per_s == pytest.approx(record["fit"]["beta_bytes_per_s"])
+    for world_size in (2, 4):
+        rows = [r for r in record["rows"] if r["world_size"] == world_size]
+        link = bench.fit_alpha_beta([(r["bytes"], world_size, r["best_s"]) for r in rows])
+        assert link.alpha_s == pytest.approx(record["fit"][str(world_size)]["alpha_s"])
+        assert link.beta_bytes_per_s == pytest.approx(
+            record["fit"][str(world_size)]["beta_bytes_per_s"])
+        for r in rows:
+            assert r["predicted_s"] == pytest.approx(cm.allreduce_time(r["bytes"], world_size, link))
     for r in record["rows"]:
         assert r["busbw_GBps"] == pytest.approx(
             r["bytes"] / r["best_s"] * cm.bus_factor(r["world_size"]) / 1e9)
+
+
+def test_the_benchmark_runs_in_short_mode_and_writes_a_complete_record(tmp_path, no_orphans):
+    out = tmp_path / "ch10_allreduce.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ch10_allreduce.py"),
+                           "--short", "--world-sizes", "2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    record = load_reference(out)
+    assert [r["bytes"] for r in record["rows"]] == [1024, 64 * 1024, 4 * cm.MiB]
+    assert record["all_sums_correct"] and set(record["fit"]) == {"method", "2"}
+    assert "fit, 2 ranks: alpha =" in done.stdout
