@@ -139,3 +139,29 @@ def test_the_benchmark_runs_in_short_mode_and_writes_a_complete_record(tmp_path,
     assert [r["bytes"] for r in record["rows"]] == [1024, 64 * 1024, 4 * cm.MiB]
     assert record["all_sums_correct"] and set(record["fit"]) == {"method", "2"}
     assert "fit, 2 ranks: alpha =" in done.stdout
+
+
+def test_the_step_prediction_benchmark_runs_in_short_mode(tmp_path, no_orphans):
+    out = tmp_path / "ch10_step_prediction.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ch10_step_prediction.py"),
+                           "--short", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    record = load_reference(out)
+    (row,) = record["rows"]
+    assert row["world_size"] == 2 and row["predicted_step_s"] > 0 and row["measured_step_s"] > 0
+    assert record["buckets"] == cm.bucket_sizes(
+        [512 * 512 * 4, 512 * 4] * 8, 25 * cm.MiB, cm.MiB)
+
+
+def test_the_recorded_step_prediction_follows_from_its_inputs():
+    record = load_reference("ch10_step_prediction.json")
+    one = {k: min(v) for k, v in record["one_rank_without_ddp"].items()}
+    for row in record["rows"]:
+        fit = record["allreduce_fit"][str(row["world_size"])]
+        predicted = cm.step_time(forward_s=one["forward"], backward_s=one["backward"],
+                                 optimizer_s=one["step"] - one["forward"] - one["backward"],
+                                 buckets=record["buckets"], world_size=row["world_size"],
+                                 link=cm.Link(fit["alpha_s"], fit["beta_bytes_per_s"]))
+        assert row["predicted_step_s"] == pytest.approx(predicted.step_s)
+        assert row["measured_step_s"] == min(row["samples"]["step"])
