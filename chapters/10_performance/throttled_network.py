@@ -114,8 +114,11 @@ class Link:
                 subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev,
                                 "root"], capture_output=True, timeout=30)  # none yet: fine
             else:
+                # tbf refills its bucket once per timer tick: a burst below what the rate
+                # delivers in a tick (~10 ms here) caps the rate below the one asked for
+                burst = max(64 * 1024, int(bits_per_s / 8 * 0.01))
                 sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
-                   f"{int(bits_per_s)}bit", "burst", "64kb", "latency", "500ms")
+                   f"{int(bits_per_s)}bit", "burst", str(burst), "latency", "500ms")
 
     def close(self) -> None:
         for ns in reversed(self.made):
