@@ -97,3 +97,17 @@ def test_ctrl_c_while_the_nodes_run_deletes_the_namespaces_and_stops_the_nodes()
 def test_without_root_it_says_why_and_touches_nothing(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "needs root" in tn.why_not()
+
+
+def test_the_recorded_run_takes_the_bytes_over_each_rate_as_the_model_says():
+    from ddpcourse import cost_model as cm
+    from ddpcourse.timing import load_reference
+
+    record = load_reference("ch10_throttled_network.json")
+    assert [r["rate"] for r in record["rows"]] == ["unlimited", "1gbit", "100mbit"]
+    for r in record["rows"][1:]:
+        link = cm.Link(record["alpha_s"], r["bits_per_s"] / 8)
+        assert r["predicted_allreduce_s"] == pytest.approx(
+            cm.allreduce_time(r["allreduce_bytes"], 2, link))
+        burst = max(64 * 1024, r["bits_per_s"] / 8 * 0.01)
+        assert r["allreduce"]["best_s"] >= (r["allreduce_bytes"] - burst) * 8 / r["bits_per_s"]

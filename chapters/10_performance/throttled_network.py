@@ -1,9 +1,9 @@
 """A network you can turn down: two torchrun "nodes" on one machine, joined by a rate-limited link.
 
-    sudo python chapters/10_performance/throttled_network.py            # needs root
-    sudo python chapters/10_performance/throttled_network.py --rates unlimited 1gbit 100mbit 20mbit
+    python chapters/10_performance/throttled_network.py            # as root (sudo)
+    python chapters/10_performance/throttled_network.py --rates unlimited 1gbit 100mbit 20mbit
 
-The lesson's reference run: ``sudo python chapters/10_performance/throttled_network.py --out
+The lesson's reference run (as root): ``python chapters/10_performance/throttled_network.py --out
 benchmarks/results/ch10_throttled_network.json``.
 
 Launch test: custom (tests/test_chapter_10_throttled_network.py runs it, as root, in short mode).
@@ -15,8 +15,8 @@ per namespace (``--nnodes 2 --node_rank 0/1``, rank 0's namespace address as the
 _throttled_worker.py: an all-reduce of 4 MiB and a DDP step of the 1.58 MB-gradient model of
 buckets_and_hooks.py, timed, and the same step without DDP (the weak-scaling baseline). For
 each rate it prints the measured times, the scaling efficiency (step without DDP / DDP step,
-per rank), and what the α–β model (``ddpcourse.cost_model``, β = the rate, α from the
-unlimited link) predicts, with ``--json`` one JSON line per rate.
+per rank), and what the α–β model (``ddpcourse.cost_model``, β = the rate, α fitted to the
+recorded all-reduce run) predicts, with ``--json`` one JSON line per rate.
 
 What it touches, and why that is safe:
 
@@ -158,6 +158,13 @@ def run_nodes(link: Link, repeats: int, timeout: float) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def recorded_alpha() -> float:
+    """α of 2 ranks fitted to the recorded all-reduce run (benchmarks/results/ch10_allreduce.json):
+    the per-call cost, which a rate limit does not change."""
+    from ddpcourse.timing import load_reference
+    return load_reference("ch10_allreduce.json")["fit"]["2"]["alpha_s"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=list(RATES),
@@ -192,17 +199,15 @@ def main() -> int:
             link.set_rate(bits)
             found = run_nodes(link, repeats, opts.timeout)
             rows.append({"rate": rate, "bits_per_s": bits, **found})
-    unlimited = next((r for r in rows if r["bits_per_s"] is None), None)
+    alpha = recorded_alpha()
     print(f"{'rate':>10} {'all-reduce ms':>14} {'predicted':>10} {'DDP step ms':>12} "
           f"{'no DDP ms':>10} {'efficiency':>10}")
     for r in rows:
         nbytes = r["allreduce_bytes"]
         predicted = ""
         if r["bits_per_s"] is not None:
-            # α from the unlimited link if measured (its whole time is an upper bound for α)
-            alpha = unlimited["allreduce"]["best_s"] if unlimited else 0.0
-            link_model = cm.Link(alpha, r["bits_per_s"] / 8)
-            r["predicted_allreduce_s"] = cm.allreduce_time(nbytes, 2, link_model)
+            r["predicted_allreduce_s"] = cm.allreduce_time(nbytes, 2, cm.Link(alpha,
+                                                                            r["bits_per_s"] / 8))
             predicted = f"{1e3 * r['predicted_allreduce_s']:.1f}"
         r["efficiency"] = r["step_without_ddp"]["best_s"] / r["ddp_step"]["best_s"]
         print(f"{r['rate']:>10} {1e3 * r['allreduce']['best_s']:>14.1f} {predicted:>10} "
@@ -212,12 +217,12 @@ def main() -> int:
             print("JSON " + json.dumps(r))
     print(f"(best of {repeats}; all-reduce of {rows[0]['allreduce_bytes']} bytes, DDP step of a "
           f"{rows[0]['gradient_bytes']}-byte gradient in one bucket; predicted: α + n/β with "
-          "β = the rate, α = the unlimited link's whole time)")
+          f"β = the rate, α = {1e6 * alpha:.0f} µs fitted to the recorded all-reduce run)")
     print("namespaces deleted")
     if opts.out:
         from ddpcourse.timing import command_line, reference_header
         record = reference_header(command_line(), load, opts.note)
-        record.update(repeats=repeats, rows=rows)
+        record.update(repeats=repeats, alpha_s=alpha, rows=rows)
         opts.out.write_text(json.dumps(record, indent=1) + "\n")
         print("written:", opts.out)
     return 0
