@@ -31,9 +31,10 @@
 # | 1. All-reduce bandwidth, nccl-tests style | `allreduce_bandwidth.py`, `benchmarks/ch10_allreduce.py` |
 # | 2. Buckets step by step, the `bucket_cap_mb` sweep | `buckets_and_hooks.py` |
 # | 3. Communication hooks: bytes per step | `buckets_and_hooks.py` |
-# | 4. The cost model: prediction beside measurement | `benchmarks/ch10_step_prediction.py` |
-# | 5. A network you can turn down (root) | `throttled_network.py` |
-# | 6. The article's knobs, one row each | this notebook |
+# | 4. Anatomy of a step: phases, bucket timeline, trace | `step_anatomy.py` |
+# | 5. The cost model: prediction beside measurement | `benchmarks/ch10_step_prediction.py` |
+# | 6. A network you can turn down (root) | `throttled_network.py` |
+# | 7. The article's knobs, one row each | this notebook |
 #
 # Launch any script with `torchrun --standalone --nproc_per_node 2 chapters/10_performance/NAME.py`
 # (`throttled_network.py`: `sudo python ...`, it starts its own torchruns).
@@ -158,7 +159,7 @@ plt.show()
 # %% [markdown]
 # The DDP paper (Li et al., VLDB 2020, §5) found the same shape on GPUs: too small a cap and a
 # step pays α many times (latency-bound calls); too large and the one all-reduce can only start
-# when backward has ended — nothing left to overlap. The model counts the first; section 4 adds
+# when backward has ended — nothing left to overlap. The model counts the first; sections 4 and 5 add
 # the overlap.
 #
 # ## 3. Communication hooks: bytes per step
@@ -188,7 +189,63 @@ plt.show()
 # hung or failed with a size mismatch, so it runs here on one bucket, in a process group with a
 # timeout of its own, inside `run_ranks`' deadline.
 #
-# ## 4. The cost model: a step predicted, then measured
+# ## 4. Anatomy of a step: where the time goes, and what hides behind backward
+#
+# `step_anatomy.py` cuts each step of a six-layer model (`bucket_cap_mb=0.25`: one bucket per
+# layer) with timers and with the comm hook's own timestamps: **forward**; **backward,
+# computing** (until the last bucket is launched: the reducer launches buckets in index order as
+# soon as their gradients are ready, `Reducer::mark_bucket_ready`); **waiting on communication**
+# (from the last launch until `backward()` returns: `Reducer::finalize_backward` waits for every
+# bucket); **optimizer**. The orderings are facts (the script checks them: every bucket launched
+# after backward began and done before it returned); how much of the all-reduce time lies before
+# the last launch — *hidden* behind backward — is a timing, printed with min/median over the
+# steps and the verdict on the machine's load. On two busy cores the ranks and gloo's threads
+# share the CPUs, so little may hide; on GPUs, NCCL's all-reduces run on a CUDA stream of their
+# own beside the backward kernels, which is what the overlap is for.
+#
+# The same steps under `torch.profiler` give a Chrome trace: open it in
+# <https://ui.perfetto.dev> and find the backend's all-reduces on a thread of their own beside
+# autograd's.
+
+# %%
+import tempfile
+
+import step_anatomy as sa  # noqa: E402
+
+
+TRACE = str(Path(tempfile.mkdtemp(prefix="ddp_step_")) / "step_trace.json")  # rank 0 writes it
+
+
+def anatomy(rank, world_size):
+    return sa.anatomy(rank, world_size, steps=6, trace_path=TRACE)
+
+
+ranks = run_ranks(anatomy, 2, backend="gloo", timeout=300)
+print("counted claims contradicted:", sa.claims(ranks) or "none")
+stats, verdict = sa.summary(ranks)
+for name, t in stats["table"].items():
+    print(f"{name:<14} min {1e3 * t.min:7.2f} ms, median {1e3 * t.median:7.2f} ms")
+print(f"hidden behind backward: min {100 * stats['hidden'].min:.0f}%, "
+      f"median {100 * stats['hidden'].median:.0f}%  —  timings: {verdict}")
+print(f"Chrome trace ({ranks[0]['trace']['bytes']} bytes): {ranks[0]['trace']['path']}")
+fig, axes = plt.subplots(len(ranks), 1, figsize=(9, 1.6 * len(ranks)), sharex=True)
+for ax, found in zip(axes, ranks):
+    s = found["steps"][-1]
+    t0 = s["timers"]["forward"]
+    ms = lambda t: 1e3 * (t - t0)  # noqa: E731
+    ax.barh(-1, ms(s["timers"]["backward_done"]) - ms(s["timers"]["backward"]),
+            left=ms(s["timers"]["backward"]), color="lightgray", label="backward()")
+    for b in s["buckets"]:
+        ax.barh(b["index"], ms(b["done"]) - ms(b["launched"]), left=ms(b["launched"]))
+    ax.set(ylabel=f"rank {found['rank']}\nbucket", yticks=range(-1, len(s["buckets"])))
+axes[-1].set_xlabel("ms after the step's forward began (last step; hook timestamps)")
+axes[0].legend(loc="upper left")
+plt.show()
+
+# %% [markdown]
+# The timeline is one live run: its bars move with the machine's load, the orderings do not.
+#
+# ## 5. The cost model: a step predicted, then measured
 #
 # `cm.step_time` takes what one rank measures alone (forward, backward, the rest), DDP's buckets
 # (`cm.bucket_sizes`, checked against torch's own assignment in the tests) and α, β; each bucket
@@ -239,7 +296,7 @@ plt.show()
 # it: a model with more arithmetic per parameter (larger batch, convolutions) tolerates a slower
 # link.
 #
-# ## 5. A network you can turn down
+# ## 6. A network you can turn down
 #
 # `throttled_network.py` (root) runs two torchrun "nodes" in two network namespaces joined by a
 # veth pair, each end limited by a `tbf` qdisc. Each rank of a 2-rank all-reduce sends the whole
@@ -267,7 +324,7 @@ else:
     print("no recorded throttled run yet: sudo python throttled_network.py --out ...")
 
 # %% [markdown]
-# ## 6. The article's knobs, one row each
+# ## 7. The article's knobs, one row each
 #
 # | the article's claim (its A100 cluster) | here |
 # |---|---|
