@@ -275,6 +275,37 @@ plt.show()
 # %% [markdown]
 # The timeline is one live run: its bars move with the machine's load, the orderings do not.
 #
+# ### The input pipeline (`input_pipeline.py`)
+#
+# A `DataLoader` belongs to its process: each rank starts its own `num_workers` workers, so a
+# job runs ranks × `num_workers` of them (size it to the cores per rank, not per machine). On
+# `iter(loader)` each worker is handed `prefetch_factor` batches at once
+# (`_MultiProcessingDataLoaderIter._reset`); `persistent_workers=True` keeps the workers between
+# epochs; `pin_memory=True` pins batches only where an accelerator is present. Counted on a toy
+# whose samples take 2 ms to "decode", then one epoch timed live (min/median and the verdict).
+# The source article's pin_memory +18 % and persistent_workers +12 % are its figures on its GPU
+# cluster; they are not measured here.
+
+# %%
+import input_pipeline as ip  # noqa: E402
+
+
+def pipeline(rank, world_size):
+    return {"counts": ip.counts(rank, world_size),
+            "timed": {w: ip.epoch_times(rank, world_size, w) for w in (0, 2)}}
+
+
+piped = run_ranks(pipeline, 2, backend="gloo", timeout=300)
+print("counted claims contradicted:", ip.claims([r["counts"] for r in piped]) or "none")
+print("worker pids per rank:", [r["counts"]["worker_pids"] for r in piped])
+print("batches requested before the first (2 workers x prefetch_factor 3):",
+      [r["counts"]["requested_before_first"] for r in piped])
+loader_times = {f"num_workers={w}": Timing.of(t) for w, t in piped[0]["timed"].items()}
+for name, t in loader_times.items():
+    print(f"one epoch, {name}: {t}")
+print(judge(loader_times, machine_load(0.5), statistic="median"))
+
+# %% [markdown]
 # ## 5. The cost model: a step predicted, then measured
 #
 # `cm.step_time` takes what one rank measures alone (forward, backward, the rest), DDP's buckets
