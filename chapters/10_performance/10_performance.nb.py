@@ -29,9 +29,9 @@
 # | section | script / record |
 # |---|---|
 # | 1. All-reduce bandwidth, nccl-tests style | `allreduce_bandwidth.py`, `benchmarks/ch10_allreduce.py` |
-# | 2. Buckets step by step, the `bucket_cap_mb` sweep | `buckets_and_hooks.py` |
+# | 2. Buckets step by step, the `bucket_cap_mb` sweep; `gradient_as_bucket_view`, `no_sync`, `static_graph` | `buckets_and_hooks.py`, `ddp_knobs.py` |
 # | 3. Communication hooks: bytes per step | `buckets_and_hooks.py` |
-# | 4. Anatomy of a step: phases, bucket timeline, trace | `step_anatomy.py` |
+# | 4. Anatomy of a step: phases, bucket timeline, trace; the input pipeline | `step_anatomy.py`, `input_pipeline.py` |
 # | 5. The cost model: prediction beside measurement | `benchmarks/ch10_step_prediction.py` |
 # | 6. A network you can turn down (root) | `throttled_network.py` |
 # | 7. The article's knobs, one row each | this notebook |
