@@ -8,13 +8,12 @@ torch's source says they must be, and ``claims`` is shown to catch each kind of 
 from __future__ import annotations
 
 import copy
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from chapter_launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "chapters" / "10_performance" / "buckets_and_hooks.py"
@@ -28,11 +27,7 @@ LAYER = bh.WIDTH * (bh.WIDTH + 1) * 4
 
 @pytest.fixture(scope="module")
 def printed() -> str:
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    done = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", str(SCRIPT)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    done = launch([SCRIPT], torchrun_ranks=2)
     assert "terminate called" not in done.stderr
     return done.stdout
 

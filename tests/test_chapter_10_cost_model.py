@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import math
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-
+from chapter_launch import launch
 from course_layout import import_by_path
+
 from ddpcourse import cost_model as cm
 from ddpcourse.timing import load_reference
 
@@ -131,10 +130,8 @@ def test_the_recorded_allreduce_run_and_its_fit_agree():
 
 def test_the_benchmark_runs_in_short_mode_and_writes_a_complete_record(tmp_path, no_orphans):
     out = tmp_path / "ch10_allreduce.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ch10_allreduce.py"),
-                           "--short", "--world-sizes", "2", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    done = launch([ROOT / "benchmarks" / "ch10_allreduce.py", "--short", "--world-sizes", "2",
+                   "--out", out], timeout=300)
     record = load_reference(out)
     assert [r["bytes"] for r in record["rows"]] == [1024, 64 * 1024, 4 * cm.MiB]
     assert record["all_sums_correct"] and set(record["fit"]) == {"method", "2"}
@@ -143,10 +140,7 @@ def test_the_benchmark_runs_in_short_mode_and_writes_a_complete_record(tmp_path,
 
 def test_the_step_prediction_benchmark_runs_in_short_mode(tmp_path, no_orphans):
     out = tmp_path / "ch10_step_prediction.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ch10_step_prediction.py"),
-                           "--short", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    launch([ROOT / "benchmarks" / "ch10_step_prediction.py", "--short", "--out", out], timeout=300)
     record = load_reference(out)
     (row,) = record["rows"]
     assert row["world_size"] == 2 and row["predicted_step_s"] > 0 and row["measured_step_s"] > 0

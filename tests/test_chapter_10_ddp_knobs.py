@@ -5,13 +5,12 @@ to catch wrong ones."""
 from __future__ import annotations
 
 import copy
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from chapter_launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "chapters" / "10_performance" / "ddp_knobs.py"
@@ -24,12 +23,7 @@ GRAD = 6 * 256 * 257 * 4
 
 @pytest.fixture(scope="module")
 def printed() -> str:
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    done = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", str(SCRIPT)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    return done.stdout
+    return launch([SCRIPT], torchrun_ranks=2).stdout
 
 
 def test_the_counts(printed):

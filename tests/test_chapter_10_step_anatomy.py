@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from chapter_launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "chapters" / "10_performance" / "step_anatomy.py"
@@ -28,12 +27,7 @@ import step_anatomy as sa  # noqa: E402
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> tuple[str, Path]:
     trace = tmp_path_factory.mktemp("trace") / "step_trace.json"
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    done = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-                           "--steps", "5", "--trace", str(trace)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    done = launch([SCRIPT, "--steps", "5", "--trace", trace], torchrun_ranks=2)
     return done.stdout, trace
 
 

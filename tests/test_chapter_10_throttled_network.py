@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from chapter_launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "chapters" / "10_performance" / "throttled_network.py"
@@ -55,9 +56,7 @@ def test_rates_are_read_as_tc_writes_them():
 @needs_root
 def test_a_slower_link_takes_the_bytes_over_its_rate_and_nothing_is_left_behind():
     before = our_namespaces()
-    done = subprocess.run([sys.executable, str(SCRIPT), "--short", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    done = launch([SCRIPT, "--short", "--json"], timeout=600)
     rows = {r["rate"]: r for r in (json.loads(l[5:]) for l in done.stdout.splitlines()
                                    if l.startswith("JSON "))}
     assert set(rows) == {"unlimited", "100mbit"}
