@@ -27,7 +27,7 @@ def printed() -> str:
 
 
 def test_the_counts(printed):
-    assert "every claim of the docstring holds" in printed
+    assert "claims of the docstring: passed" in printed
     assert (f"gradient_as_bucket_view=False: buckets {GRAD} bytes + .grad outside them {GRAD} "
             f"bytes = {2 * GRAD} bytes") in printed
     assert f"gradient_as_bucket_view=True: buckets {GRAD} bytes + .grad outside them 0" in printed

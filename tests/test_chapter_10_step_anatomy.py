@@ -33,7 +33,7 @@ def launched(tmp_path_factory) -> tuple[str, Path]:
 
 def test_phases_buckets_and_the_trace(launched):
     printed, trace = launched
-    assert "every claim of the docstring holds" in printed
+    assert "claims of the docstring: passed" in printed
     assert "buckets per step [1, 6, 6, 6, 6]" in printed
     for phase in ("forward", "backward", "waiting", "optimizer", "communication"):
         assert re.search(rf"^  {phase}\s+[\d.]+ /\s+[\d.]+$", printed, re.M), phase

@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import buckets_and_hooks as bh  # noqa: E402
 
 from ddpcourse.dist_env import process_group  # noqa: E402
+from ddpcourse.report import report_checks  # noqa: E402
 from ddpcourse.timing import Timing, judge, machine_load  # noqa: E402
 
 CAP_MB = 0.25  # below one layer's 263 KB: one bucket per layer
@@ -205,10 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             tr = ranks[0]["trace"]
             print(f"Chrome trace ({tr['bytes']} bytes, {tr['all_reduce_events']} all-reduce "
                   f"events): {tr['path']}  (open it in https://ui.perfetto.dev)")
-            for claim in wrong:
-                print(f"CONTRADICTED: {claim}")
-            if not wrong:
-                print("every claim of the docstring holds")
+            report_checks(wrong, label="claims of the docstring")
         dist.barrier()
     return 1 if wrong else 0
 
