@@ -88,6 +88,28 @@ def _iterations_for(nbytes: int) -> int:
     return max(2, min(50, (32 * 2**20) // max(nbytes, 1)))
 
 
+def slowest_rank_timings(buffer: torch.Tensor, calls: int, repeats: int,
+                         sync: Callable[[], None]) -> list[float]:
+    """Seconds per all-reduce of ``buffer`` in each of ``repeats`` timings of ``calls``
+    back-to-back all-reduces, after two warm-ups and a barrier before each timing; each figure
+    is the slowest rank's (a collective is done when its last rank is). Every rank calls it.
+    ``sync`` waits for the device (``torch.cuda.synchronize`` under NCCL)."""
+    for _ in range(2):
+        dist.all_reduce(buffer)
+    timings = []
+    for _ in range(repeats):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            dist.all_reduce(buffer)
+        sync()
+        timings.append((time.perf_counter() - start) / calls)
+    slowest = torch.tensor(timings, dtype=torch.float64, device=buffer.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
+
+
 def allreduce_probe(rank: int, world_size: int, sizes: Sequence[int], repeats: int = 5) -> list:
     """All-reduce a known pattern of each size, check the sum, and time it.
 
@@ -108,23 +130,10 @@ def allreduce_probe(rank: int, world_size: int, sizes: Sequence[int], repeats: i
         correct = torch.equal(t, world_size * (world_size + 1) / 2 * pattern.float())
         # Timed on zeros: summing the same tensor again and again would overflow it to inf.
         buffer = torch.zeros_like(t)
-        k = _iterations_for(nbytes)
-        for _ in range(2):
-            dist.all_reduce(buffer)
-        timings = []
-        for _ in range(repeats):
-            dist.barrier()
-            sync()
-            start = time.perf_counter()
-            for _ in range(k):
-                dist.all_reduce(buffer)
-            sync()
-            timings.append((time.perf_counter() - start) / k)
-        slowest = torch.tensor(timings, dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        slowest = slowest_rank_timings(buffer, _iterations_for(nbytes), repeats, sync)
         ok = torch.tensor([1.0 if correct else 0.0], device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        results.append((nbytes, statistics.median(slowest.tolist()), ok.item() == 1.0))
+        results.append((nbytes, statistics.median(slowest), ok.item() == 1.0))
     return results
 
 

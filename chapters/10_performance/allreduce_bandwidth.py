@@ -28,13 +28,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 from ddpcourse.cost_model import bus_factor
 from ddpcourse.dist_env import process_group
+from ddpcourse.doctor import slowest_rank_timings
 
 QUICK_SIZES = ["1K", "64K", "4M"]
 FULL_SIZES = ["1K", "4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M", "256M"]
@@ -77,20 +77,7 @@ def measure(rank: int, world_size: int, sizes: list[int], repeats: int = 5) -> l
         del data, expected
         buffer = torch.zeros(numel, device=device)  # sums of zeros never overflow
         k = calls_per_timing(nbytes)
-        for _ in range(2):
-            dist.all_reduce(buffer)
-        timings = []
-        for _ in range(repeats):
-            dist.barrier()
-            sync()
-            start = time.perf_counter()
-            for _ in range(k):
-                dist.all_reduce(buffer)
-            sync()
-            timings.append((time.perf_counter() - start) / k)
-        slowest = torch.tensor(timings, dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        slowest = slowest.tolist()
+        slowest = slowest_rank_timings(buffer, k, repeats, sync)  # the doctor's timing, as in ch00
         best = min(slowest)
         algbw = 4 * numel / best
         rows.append({"bytes": 4 * numel, "world_size": world_size, "backend": dist.get_backend(),
