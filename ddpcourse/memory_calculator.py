@@ -125,3 +125,15 @@ def format_bytes(n: float) -> str:
         return f"{n:.0f} B"
     exponent = min(int(math.log(n, 1024)), 4)
     return f"{n / 1024 ** exponent:.2f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exponent]}"
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the tensors' elements (a DTensor counts its local shard only): the measured side
+    that chapters 02 and 11 hold :func:`estimate` against."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpcourse import timing
+from ddpcourse.memory_calculator import tensor_bytes
 
 TORCH_TAG = "v2.13.0"
 _GITHUB = f"https://github.com/pytorch/pytorch/blob/{TORCH_TAG}/"
@@ -102,15 +103,6 @@ def make_mlp(width: int, depth: int = 4, out_features: int | None = None, seed: 
     return nn.Sequential(*layers)
 
 
-def tensor_bytes(tensors) -> int:
-    """Bytes of the tensors' elements (a DTensor counts its local shard only)."""
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
 
 
 def param_bytes(module: nn.Module) -> int:

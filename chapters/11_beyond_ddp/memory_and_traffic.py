@@ -31,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ddpcourse.memory_calculator import estimate  # noqa: E402
+from ddpcourse.memory_calculator import estimate, tensor_bytes  # noqa: E402
 
 SCHEMES = ("ddp", "zero1", "zero2", "zero3")
 ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -43,16 +43,6 @@ def make_mlp(width: int, depth: int, seed: int = 0) -> nn.Sequential:
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers)
-
-
-def tensor_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
 
 
 def global_batch(world_size: int, batch: int, width: int, seed: int = 1):
