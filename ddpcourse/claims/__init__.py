@@ -305,4 +305,30 @@ def render(claims: Claims) -> str:
             lines.append(f"| <a id=\"{c.id}\"></a>{_cell(c.claim)} | **{c.verdict}** | "
                          f"{_cell(c.correct)} | {evidence or '—'} | {_experiment_md(c)} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _by_chapter(claims))
+
+
+CHAPTER = re.compile(r"(?:chapters/|tests/test_chapter_)(\d\d)_")
+
+
+def chapters_of(c: Claim) -> list[str]:
+    """The chapters (``"07"``) whose tests, scripts or lesson sections a row names."""
+    named = [*c.tests, c.script or "", c.cell or ""]
+    return sorted({m.group(1) for text in named for m in CHAPTER.finditer(text)})
+
+
+def _by_chapter(claims: Claims) -> list[str]:
+    """One short section per chapter (anchor ``chapter-NN``, which each lesson links to): the
+    rows whose experiment that chapter holds."""
+    lines = ["## By chapter", "",
+             "The rows whose experiment each chapter holds (a lesson links to its own list).", ""]
+    folders = {p.name[:2]: p.name for p in sorted((ROOT / "chapters").iterdir())
+               if p.is_dir() and p.name[:2].isdigit()}
+    for number, folder in folders.items():
+        rows = [c for c in claims.claims if number in chapters_of(c)]
+        lesson = f"{folder}/{folder}.ipynb"
+        links = ", ".join(f"[{_cell(c.claim).rstrip('.')}](#{c.id})" for c in rows)
+        lines += [f"### <a id=\"chapter-{number}\"></a>Chapter {number}: [{folder}]({lesson})", "",
+                  f"{len(rows)} claims: {links}." if rows else "No claim of the article is "
+                  "tested here.", ""]
+    return lines
