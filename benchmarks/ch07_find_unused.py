@@ -26,7 +26,6 @@ was) and says whether its repeats agreed (``ddpcourse.timing.judge``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT / "chapters" / "07_training_loop"))
 
 from ddpcourse.launcher import run_ranks  # noqa: E402
 from ddpcourse.timing import (  # noqa: E402
-    Timing, command_line, judge, machine_load, reference_header)
+    Timing, close_record, command_line, machine_load, reference_header, write_record)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "ch07_find_unused.json"
 WORKLOADS = {"deep narrow": {"depth": 32, "width": 32, "batch": 8},
@@ -118,12 +117,8 @@ def main() -> int:
             variant: [min(a[variant]["min_vs_find_unused_false"] for a in entry["attempts"]),
                       max(a[variant]["min_vs_find_unused_false"] for a in entry["attempts"])]
             for variant in VARIANTS}
-    verdict = judge(timings, load)
-    record["load"]["busy_cores_after"] = machine_load(2.0).busy
-    record.update(verdict=str(verdict), conclusive=verdict.conclusive)
-    print(verdict)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print("written:", args.out)
+    close_record(record, timings, load)
+    write_record(record, args.out)
     return 0
 
 

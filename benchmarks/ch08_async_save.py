@@ -31,7 +31,6 @@ own numbers (tests/test_chapter_08_dcp.py computes them again).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from ddpcourse.launcher import run_ranks  # noqa: E402
 from ddpcourse.timing import (  # noqa: E402
-    Timing, command_line, judge, machine_load, reference_header)
+    Timing, close_record, command_line, machine_load, reference_header, write_record)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "ch08_async_save.json"
 VARIANTS = ("no checkpoint", "dcp.save", "dcp.async_save")
@@ -224,14 +223,10 @@ def main() -> int:
             print(f"  {variant:<15}" + "  ".join(
                 f"{figure} {f['min']:.0f}/{f['median']:.0f}/{f['max']:.0f}"
                 for figure, f in figures.items()) + "  (min/median/max)")
-    verdict = judge(timings, load)  # conclusions from minima
-    record["load"]["busy_cores_after"] = machine_load(2.0).busy
-    record.update(verdict=str(verdict), conclusive=verdict.conclusive)
+    close_record(record, timings, load)  # conclusions from minima
     record["findings"] = findings(record)
-    print(verdict)
     print(*record["findings"], sep="\n")
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print("written:", args.out)
+    write_record(record, args.out)
     return 0
 
 

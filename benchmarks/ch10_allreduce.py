@@ -15,7 +15,6 @@ repeats. The lesson plots benchmarks/results/ch10_allreduce.json beside its live
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ sys.path.insert(0, str(ROOT / "chapters" / "10_performance"))
 from ddpcourse.cost_model import Link, allreduce_time, bus_factor  # noqa: E402
 from ddpcourse.launcher import run_ranks  # noqa: E402
 from ddpcourse.timing import (  # noqa: E402
-    Timing, command_line, judge, machine_load, reference_header)
+    Timing, close_record, command_line, machine_load, reference_header, write_record)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "ch10_allreduce.json"
 SHORT_SIZES = ["1K", "64K", "4M"]
@@ -87,14 +86,10 @@ def main() -> int:
     for r in record["rows"]:
         print(f"{r['world_size']:>5} {ab.human(r['bytes']):>9} {r['best_s'] * 1e6:>12.1f} "
               f"{r['predicted_s'] * 1e6:>13.1f} {100 * r['prediction_error']:>+6.0f}%")
-    verdict = judge({f"{r['world_size']} ranks {ab.human(r['bytes'])}": Timing.of(r["timings_s"])
-                     for r in record["rows"]}, load)
-    record["load"]["busy_cores_after"] = machine_load(2.0).busy
-    record.update(verdict=str(verdict), conclusive=verdict.conclusive,
-                  all_sums_correct=all(r["correct"] for r in record["rows"]))
-    print(verdict)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print("written:", args.out)
+    record["all_sums_correct"] = all(r["correct"] for r in record["rows"])
+    close_record(record, {f"{r['world_size']} ranks {ab.human(r['bytes'])}":
+                          Timing.of(r["timings_s"]) for r in record["rows"]}, load)
+    write_record(record, args.out)
     return 0 if record["all_sums_correct"] else 1
 
 

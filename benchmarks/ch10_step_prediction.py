@@ -19,7 +19,6 @@ median is recorded too). The record starts with ``ddpcourse.timing.reference_hea
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT / "chapters" / "10_performance"))
 from ddpcourse import cost_model as cm  # noqa: E402
 from ddpcourse.launcher import run_ranks  # noqa: E402
 from ddpcourse.timing import (  # noqa: E402
-    Timing, command_line, judge, load_reference, machine_load, reference_header)
+    Timing, close_record, command_line, load_reference, machine_load, reference_header, write_record)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "ch10_step_prediction.json"
 MODEL = {"layers": 8, "width": 512, "batch": 64}
@@ -140,12 +139,8 @@ def main() -> int:
         print(f"{r['world_size']:>5} {1e3 * r['predicted_step_s']:>13.2f} "
               f"{1e3 * r['measured_step_s']:>12.2f} {100 * r['error']:>+6.0f}% "
               f"{r['predicted_efficiency']:>10.2f} {r['measured_efficiency']:>10.2f}")
-    verdict = judge(timings, load)
-    record["load"]["busy_cores_after"] = machine_load(2.0).busy
-    record.update(verdict=str(verdict), conclusive=verdict.conclusive)
-    print(verdict)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print("written:", args.out)
+    close_record(record, timings, load)
+    write_record(record, args.out)
     return 0
 
 

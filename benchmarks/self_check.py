@@ -17,7 +17,6 @@ work on the machine disturbs them alike; the record says whether the repeats agr
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ddpcourse.timing import (  # noqa: E402
-    Timing, command_line, judge, machine_load, reference_header)
+    Timing, close_record, command_line, machine_load, reference_header, write_record)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "self_check.json"
 DEFAULT_NOTEBOOK = "exercises/06_data_loading/sampler_by_hand.ipynb"
@@ -80,15 +79,11 @@ def main() -> int:
             seconds = self_check_seconds(args.notebook, extra)
             record["seconds"][way].append(round(seconds, 3))
             print(f"round {round_}: {way}: {seconds:.1f} s", flush=True)
-    verdict = judge({way: Timing.of(s) for way, s in record["seconds"].items()}, load,
-                    statistic="median")
-    record["load"]["busy_cores_after"] = machine_load(2.0).busy
-    record.update(verdict=str(verdict), conclusive=verdict.conclusive)
+    close_record(record, {way: Timing.of(s) for way, s in record["seconds"].items()}, load,
+                 statistic="median")
     record["findings"] = findings(record)
-    print(verdict)
     print("\n".join(record["findings"]))
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print("written:", args.out)
+    write_record(record, args.out)
     return 0
 
 

@@ -252,6 +252,24 @@ def reference_header(command: str, load: Load, note: str = "") -> dict:
                      "note": note}}
 
 
+def close_record(record: dict, timings: Mapping[str, Timing], load: Load,
+                 statistic: str = "min") -> Verdict:
+    """Finish a record started by :func:`reference_header`: judge its timings against the load
+    measured before the run, add how busy the machine was after it and the verdict, and print
+    the verdict. Returns it (``verdict.conclusive`` says whether the timings may be read)."""
+    verdict = judge(timings, load, statistic=statistic)
+    record["load"]["busy_cores_after"] = machine_load(2.0).busy
+    record.update(verdict=str(verdict), conclusive=verdict.conclusive)
+    print(verdict)
+    return verdict
+
+
+def write_record(record: dict, out: Path) -> None:
+    """Write a record as the files under ``benchmarks/results/`` are written, and say where."""
+    Path(out).write_text(json.dumps(record, indent=1) + "\n")
+    print("written:", out)
+
+
 def command_line() -> str:
     """This process's command as a reader would type it from the repository root."""
     args = list(sys.argv)
