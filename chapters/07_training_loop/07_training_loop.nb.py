@@ -1261,9 +1261,10 @@ print("mean of per-rank means:", even["mean of per-rank means"])
 print("single process:        ", even["single process"])
 
 # %% [markdown]
-# The recipe, as in chapter 06's evaluation: each rank accumulates `[sum of losses, number
-# correct, number of samples]` in float64 over its batches, one `all_reduce` at the end, divide.
-# Log on rank 0 after the all-reduce, which every rank must call. Reducing with
+# The rule behind it, the one chapter 06's evaluation follows: a mean over shards of different
+# sizes is a ratio of global totals, so all-reduce the totals (what is summed and what is
+# counted), never the ratios, and divide afterwards; keep counts in float64 or int64 so that
+# nothing rounds. Every rank must call the all-reduce, so log on rank 0 after it. Reducing with
 # `ReduceOp.AVG` instead of `SUM` does not help: it averages the ranks' means the same way.
 
 # %% [markdown]
@@ -1509,8 +1510,9 @@ for set_to_none in (True, False):
 #
 # **Pitfalls, in short.** `no_sync()` must contain the forward. Sync and step on the same, last
 # micro-batch of a group. Divide the loss by k. Zero the gradients after the step. Drifting
-# replicas raise nothing: compare parameters across ranks when in doubt. The loop above assumes
-# the number of micro-batches is a multiple of k.
+# replicas raise nothing: compare parameters across ranks when in doubt. The experiments above
+# use groups of exactly k micro-batches; a list of micro-batches that does not divide into them
+# leaves one more decision (the exercise `train_steps`).
 
 # %% [markdown]
 # ## Mixed precision under DDP: autocast, GradScaler, and the bytes on the wire
@@ -1922,10 +1924,11 @@ import train as tr
 
 # %% [markdown]
 # `train_one_epoch` accumulates over windows of `--accumulation-steps` batches, one all-reduce
-# per window (section 6; the exercise `train_steps` has you write that loop, so read the
-# script's version after you have written yours). Its training loss is accumulated as a tensor
-# on the device and all-reduced once per epoch, not turned into a Python float at every step
-# (`.item()` would wait for the GPU at each step).
+# per window (section 6), and `evaluate` computes the evaluation set's global loss and accuracy
+# (section 5). The exercises `train_steps` and `global_metrics` have you write the general
+# versions of these two functions, so read the script's after you have written yours. Its
+# training loss is accumulated as a tensor on the device and all-reduced once per epoch, not
+# turned into a Python float at every step (`.item()` would wait for the GPU at each step).
 #
 # ### Run it: 2 ranks learn what 1 process learns on the same global batches
 #
@@ -2032,12 +2035,11 @@ print("padded evaluation:", tr.problems(
 #
 # Each rank evaluates only its share of the validation set, but every rank needs the loss and
 # accuracy of the *whole* set, to log them, keep the best checkpoint or stop early, alike on every
-# rank. You write `evaluate(model, dataset, batch_size)`. Averaging the ranks' own means
-# over-weights a small share. `DistributedSampler` pads the shares, so some samples count twice.
-# `dist.reduce` leaves the answer on rank 0 alone. Sums and counts, all-reduced (section 5), are
-# exact. A rank with no samples must still join that all-reduce. Evaluate `ddp_model.module`, not
-# the wrapper, whose forward may broadcast rank 0's buffers. The tests record every row your model
-# sees. Self-check: `pytest exercises/07_training_loop/global_metrics.ipynb`.
+# rank. You write `evaluate(model, dataset, batch_size)`: the work shared among the ranks, every
+# sample counted once, exactly one process's numbers on every rank, and the model handed back as
+# it came, whatever the shares' sizes (some may be empty) and whether you are handed the model or
+# its DDP wrapper. The tests record every row your model sees and compare with one process.
+# Self-check: `pytest exercises/07_training_loop/global_metrics.ipynb`.
 #
 # ### `fix_the_loop`: three silent bugs
 #
@@ -2065,13 +2067,13 @@ print("padded evaluation:", tr.problems(
 #   from rank 0's data. SyncBatchNorm computes batch statistics over all ranks, on GPUs only.
 # * **Seeds.** The sampler's seed must be the same on every rank. Dropout and augmentation should
 #   differ between ranks. A learnable module outside the wrapper drifts apart without a word.
-# * **Gradient accumulation.** `no_sync()` goes around the forward *and* the backward of every
-#   micro-batch but the last of a step. Divide each loss by the number of micro-batches. Sync and
-#   step on the same, last micro-batch.
 # * **Losses are per rank; gradients are averaged.** To log a global number, all-reduce sums and
 #   counts. Under DDP a summed loss gives gradients W times smaller than one process summing the
 #   global batch, and of the scale of one process summing one rank's batch: its scale follows
 #   the rows per rank, not the world size.
+# * **Gradient accumulation.** `no_sync()` goes around the forward *and* the backward of every
+#   micro-batch but the last of a step. Divide each loss by the number of micro-batches. Sync and
+#   step on the same, last micro-batch.
 # * **Mixed precision** computes in bf16 or fp16 but keeps gradients in float32. The all-reduce
 #   carries the same bytes unless a compression hook is registered. GradScaler is for fp16 only.
 # * **`torch.compile`** cooperates with DDP: the DDP optimizer splits the graph at bucket
