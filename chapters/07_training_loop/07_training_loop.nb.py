@@ -72,23 +72,19 @@ prestart()
 # of those explains a rule of the training loop: place the model before wrapping, build the same
 # model on every rank, save and evaluate through `model.module`.
 #
-# **The idea.** Read what `DistributedDataParallel.__init__` does, in order
-# ([distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L816-L1160)),
-# and check each step on two ranks:
+# **The idea.** Read what `DistributedDataParallel.__init__` does, in order, and check each step
+# on two ranks:
 #
-# 1. it checks where the parameters are and decides what `device_ids` / `output_device` mean
-#    ([L930-L955](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L930-L955));
-# 2. `_verify_param_shape_across_processes`: every rank's parameters must match rank 0's
-#    ([L1062-L1073](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1062-L1073));
-# 3. `_sync_module_states`: rank 0's parameters and buffers are broadcast to everyone
-#    ([torch/distributed/utils.py L289](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L315));
+# 1. it checks where the parameters are and decides what `device_ids` / `output_device` mean;
+# 2. `_verify_param_shape_across_processes`: every rank's parameters must match rank 0's;
+# 3. `_sync_module_states`: rank 0's parameters and buffers are broadcast to everyone;
 # 4. `_ddp_init_helper` assigns parameters to buckets and builds the C++ `Reducer`, which hooks
-#    every parameter's gradient accumulator
-#    ([L1374-L1483](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1374-L1483)).
+#    every parameter's gradient accumulator.
 #
 # Script: `wrapping.py` (`torchrun --standalone --nproc_per_node 2
 # chapters/07_training_loop/wrapping.py` runs every experiment below and exits non-zero if one of
-# them contradicts this section).
+# them contradicts this section; its docstring links each of the four steps to its lines in
+# torch 2.13's source).
 
 # %%
 import wrapping as wr
@@ -650,24 +646,19 @@ for name, r in run_ranks(up.run_experiments, 2, checkpointed)[0].items():
 # buffers** to every rank, twice over:
 #
 # * in the constructor, together with the parameters: `DistributedDataParallel.__init__` calls
-#   `_sync_module_states` ([torch/distributed/utils.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L315)),
-#   guarded by `init_sync` ([distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1062-L1073));
+#   `_sync_module_states`, guarded by `init_sync`;
 # * at the start of a forward, **when the previous forward through the wrapper ran with gradients
 #   enabled and outside `no_sync()`** (or when it is the first forward): `_pre_forward` calls
 #   `_sync_buffers`, which broadcasts from rank 0 (`authoritative_rank = 0`, or a rank still
-#   running under `Join`) through `_sync_module_buffers` and `_default_broadcast_coalesced`
-#   ([distributed.py, `_pre_forward`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1744-L1782),
-#   [`_sync_buffers`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2405-L2450)),
+#   running under `Join`) through `_sync_module_buffers` and `_default_broadcast_coalesced`,
 #   if `will_sync_module_buffers()` holds: buffers present, `forward_sync_buffers` on, and
-#   `require_forward_param_sync` set
-#   ([L2382-L2387](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2382-L2387)).
-#   The constructor sets that flag; `_post_forward` sets it after a forward with gradients
-#   enabled outside `no_sync()` and clears it after any other
-#   ([L1828-L1841](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1828-L1841)).
+#   `require_forward_param_sync` set. The constructor sets that flag; `_post_forward` sets it
+#   after a forward with gradients enabled outside `no_sync()` and clears it after any other.
 #
 # Script: `buffers.py` (`torchrun --standalone --nproc_per_node 2
 # chapters/07_training_loop/buffers.py`; it checks every claim of this section and exits non-zero
-# if one fails).
+# if one fails; its docstring links each function named here to its lines in torch 2.13's
+# source).
 
 # %%
 import buffers as bf

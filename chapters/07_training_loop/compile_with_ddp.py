@@ -140,7 +140,7 @@ def build(order: str, bucket_cap_mb: float, backend: str):
         ddp = wrap(net, bucket_cap_mb)
         return ddp, ddp, net, None
     recorder = RecordingBackend(backend)
-    if order == "compile, then DDP":  # what the docs show ("Where to apply torch.compile?")
+    if order == "compile, then DDP":  # the docs page "Where to apply torch.compile?"
         net.compile(backend=recorder)
         ddp = wrap(net, bucket_cap_mb)
         return ddp, ddp, net, recorder
