@@ -1687,22 +1687,17 @@ else:
 # **The idea.** TorchDynamo's *DDP optimizer* cuts the forward graph where it expects DDP's
 # buckets to end and compiles each piece on its own, so each piece's backward is a node of its
 # own, and DDP's hooks fire between them
-# ([DDP notes, "TorchDynamo DDPOptimizer"](https://docs.pytorch.org/docs/stable/notes/ddp.html#torchdynamo-ddpoptimizer);
-# the long comment "Note [DDPOptimizer]" in
-# [torch/_dynamo/backends/distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_dynamo/backends/distributed.py#L389-L448)).
-# It is on by default: `torch._dynamo.config.optimize_ddp = True`
-# ([config.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_dynamo/config.py#L404-L428);
-# `False` turns it off, `"python_reducer"` is an experimental alternative that needs compiled
-# autograd). How does dynamo know DDP is there? While DDP runs the wrapped module it records
-# itself as the active DDP module (`_inside_ddp_forward`,
-# [distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1692-L1715)),
-# and every frame dynamo compiles asks for it
-# ([convert_frame.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_dynamo/convert_frame.py#L2600-L2624))
-# and, if there is one, hands the graph to `DDPOptimizer.compile_fn` with that module's
-# `bucket_cap_mb`.
+# ([DDP notes, "TorchDynamo DDPOptimizer"](https://docs.pytorch.org/docs/stable/notes/ddp.html#torchdynamo-ddpoptimizer),
+# and the long comment "Note [DDPOptimizer]" in torch/_dynamo/backends/distributed.py).
+# It is on by default: `torch._dynamo.config.optimize_ddp = True` (`False` turns it off,
+# `"python_reducer"` is an experimental alternative that needs compiled autograd). How does
+# dynamo know DDP is there? While DDP runs the wrapped module it records itself as the active DDP
+# module (`_inside_ddp_forward`), and every frame dynamo compiles asks for it and, if there is
+# one, hands the graph to `DDPOptimizer.compile_fn` with that module's `bucket_cap_mb`.
 #
 # Script: `compile_with_ddp.py` (`torchrun --standalone --nproc_per_node 2
-# chapters/07_training_loop/compile_with_ddp.py`). Its model is four 512 × 512 tanh layers and a
+# chapters/07_training_loop/compile_with_ddp.py`; its docstring links each of these places to
+# its lines in torch 2.13's source). Its model is four 512 × 512 tanh layers and a
 # small head, so each hidden layer holds exactly 1 MiB of float32 weights, which is what the cuts
 # are measured in. Its backend is `aot_eager`: AOTAutograd's forward and backward graphs, run
 # without generating code. That is everything the DDP optimizer depends on, and needs no C++
