@@ -85,7 +85,8 @@ def train_steps(ddp_model: DDP, micro_batches: list, optimizer: torch.optim.Opti
       with are those of the group's micro-batches of all ranks taken as one large batch: the
       mean, over the group's micro-batches and over all ranks, of the gradient of each
       micro-batch's loss (for a short last group, the mean over the micro-batches it has).
-    * The gradients are all-reduced exactly once per optimizer step, never once per micro-batch.
+    * The gradients are all-reduced exactly once per optimizer step, however many micro-batches
+      the step has.
     * Every step starts from zero gradients, not from the previous step's: they are zero or None
       when the function is called, and the gradients of one step must not leak into the next.
     * No micro-batches: no step; return `[]`.
