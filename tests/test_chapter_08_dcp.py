@@ -7,8 +7,9 @@ async_save returns an unfinished Future, writes the call-time state although a s
 the write, stages the whole state, and runs its collectives in its own thread. Each script's own
 check holds on data from real ranks (``run_ranks``: deadlines, no ports; the three world sizes
 of dcp_reshard are three calls, as its docstring's three torchrun commands are) and catches
-wrong data. The recorded async_save timing run is complete, its state size is the model's, and
-its sentences follow from its numbers.
+wrong data; their verdict is one report of every rank's contradicted claims. The recorded
+async_save timing run is complete, its state size is the model's, and its sentences follow from
+its numbers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from course_layout import import_by_path
 from ddpcourse.launcher import run_ranks
+from ddpcourse.report import report_checks_of_every_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,3 +158,26 @@ def test_the_recorded_async_save_run_is_complete_and_its_sentences_follow_from_i
         assert set(attempt["no checkpoint"]["stall_ms"]["samples"]) == {0.0}
         assert all(v < 1.0 for v in attempt["dcp.save"]["wait_ms"]["samples"])  # no future
     assert record["findings"] == bench.findings(record)
+
+
+def report_of_ranks_that_found(rank: int, world_size: int, findings: dict) -> tuple[int, list]:
+    """``report_checks_of_every_rank`` on this rank's ``findings[rank]``: its code, and what it
+    printed."""
+    printed = []
+    code = report_checks_of_every_rank(findings.get(rank, []),
+                                       echo=lambda *words: printed.append(" ".join(words)))
+    return code, printed
+
+
+@pytest.mark.parametrize("findings, report", [
+    ({}, ["checks: passed"]),
+    ({2: ["the write was not atomic"]}, ["checks: FAILED", "  - rank 2: the write was not atomic"]),
+    ({0: ["a", "b"], 1: ["b"], 2: ["b"]},
+     ["checks: FAILED", "  - rank 0: a", "  - ranks 0, 1, 2: b"]),
+])
+def test_the_scripts_verdict_reports_every_ranks_problems_on_rank_0_alone(findings, report):
+    """async_checkpoint.py and dcp_reshard.py check each rank's run: a problem found by rank 2
+    alone still fails every rank and is printed by rank 0."""
+    results = run_ranks(report_of_ranks_that_found, 3, findings, timeout=60)
+    assert results[0] == (1 if findings else 0, report)
+    assert results[1:] == [(results[0][0], [])] * 2

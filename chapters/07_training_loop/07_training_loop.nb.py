@@ -72,23 +72,19 @@ prestart()
 # of those explains a rule of the training loop: place the model before wrapping, build the same
 # model on every rank, save and evaluate through `model.module`.
 #
-# **The idea.** Read what `DistributedDataParallel.__init__` does, in order
-# ([distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L816-L1160)),
-# and check each step on two ranks:
+# **The idea.** Read what `DistributedDataParallel.__init__` does, in order, and check each step
+# on two ranks:
 #
-# 1. it checks where the parameters are and decides what `device_ids` / `output_device` mean
-#    ([L930-L955](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L930-L955));
-# 2. `_verify_param_shape_across_processes`: every rank's parameters must match rank 0's
-#    ([L1062-L1073](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1062-L1073));
-# 3. `_sync_module_states`: rank 0's parameters and buffers are broadcast to everyone
-#    ([torch/distributed/utils.py L289](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L315));
+# 1. it checks where the parameters are and decides what `device_ids` / `output_device` mean;
+# 2. `_verify_param_shape_across_processes`: every rank's parameters must match rank 0's;
+# 3. `_sync_module_states`: rank 0's parameters and buffers are broadcast to everyone;
 # 4. `_ddp_init_helper` assigns parameters to buckets and builds the C++ `Reducer`, which hooks
-#    every parameter's gradient accumulator
-#    ([L1374-L1483](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1374-L1483)).
+#    every parameter's gradient accumulator.
 #
 # Script: `wrapping.py` (`torchrun --standalone --nproc_per_node 2
 # chapters/07_training_loop/wrapping.py` runs every experiment below and exits non-zero if one of
-# them contradicts this section).
+# them contradicts this section; its docstring links each of the four steps to its lines in
+# torch 2.13's source).
 
 # %%
 import wrapping as wr
@@ -650,24 +646,19 @@ for name, r in run_ranks(up.run_experiments, 2, checkpointed)[0].items():
 # buffers** to every rank, twice over:
 #
 # * in the constructor, together with the parameters: `DistributedDataParallel.__init__` calls
-#   `_sync_module_states` ([torch/distributed/utils.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L315)),
-#   guarded by `init_sync` ([distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1062-L1073));
+#   `_sync_module_states`, guarded by `init_sync`;
 # * at the start of a forward, **when the previous forward through the wrapper ran with gradients
 #   enabled and outside `no_sync()`** (or when it is the first forward): `_pre_forward` calls
 #   `_sync_buffers`, which broadcasts from rank 0 (`authoritative_rank = 0`, or a rank still
-#   running under `Join`) through `_sync_module_buffers` and `_default_broadcast_coalesced`
-#   ([distributed.py, `_pre_forward`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1744-L1782),
-#   [`_sync_buffers`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2405-L2450)),
+#   running under `Join`) through `_sync_module_buffers` and `_default_broadcast_coalesced`,
 #   if `will_sync_module_buffers()` holds: buffers present, `forward_sync_buffers` on, and
-#   `require_forward_param_sync` set
-#   ([L2382-L2387](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2382-L2387)).
-#   The constructor sets that flag; `_post_forward` sets it after a forward with gradients
-#   enabled outside `no_sync()` and clears it after any other
-#   ([L1828-L1841](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1828-L1841)).
+#   `require_forward_param_sync` set. The constructor sets that flag; `_post_forward` sets it
+#   after a forward with gradients enabled outside `no_sync()` and clears it after any other.
 #
 # Script: `buffers.py` (`torchrun --standalone --nproc_per_node 2
 # chapters/07_training_loop/buffers.py`; it checks every claim of this section and exits non-zero
-# if one fails).
+# if one fails; its docstring links each function named here to its lines in torch 2.13's
+# source).
 
 # %%
 import buffers as bf
@@ -1261,9 +1252,10 @@ print("mean of per-rank means:", even["mean of per-rank means"])
 print("single process:        ", even["single process"])
 
 # %% [markdown]
-# The recipe, as in chapter 06's evaluation: each rank accumulates `[sum of losses, number
-# correct, number of samples]` in float64 over its batches, one `all_reduce` at the end, divide.
-# Log on rank 0 after the all-reduce, which every rank must call. Reducing with
+# The rule behind it, the one chapter 06's evaluation follows: a mean over shards of different
+# sizes is a ratio of global totals, so all-reduce the totals (what is summed and what is
+# counted), never the ratios, and divide afterwards; keep counts in float64 or int64 so that
+# nothing rounds. Every rank must call the all-reduce, so log on rank 0 after it. Reducing with
 # `ReduceOp.AVG` instead of `SUM` does not help: it averages the ranks' means the same way.
 
 # %% [markdown]
@@ -1509,8 +1501,9 @@ for set_to_none in (True, False):
 #
 # **Pitfalls, in short.** `no_sync()` must contain the forward. Sync and step on the same, last
 # micro-batch of a group. Divide the loss by k. Zero the gradients after the step. Drifting
-# replicas raise nothing: compare parameters across ranks when in doubt. The loop above assumes
-# the number of micro-batches is a multiple of k.
+# replicas raise nothing: compare parameters across ranks when in doubt. The experiments above
+# use groups of exactly k micro-batches; a list of micro-batches that does not divide into them
+# leaves one more decision (the exercise `train_steps`).
 
 # %% [markdown]
 # ## Mixed precision under DDP: autocast, GradScaler, and the bytes on the wire
@@ -1694,22 +1687,17 @@ else:
 # **The idea.** TorchDynamo's *DDP optimizer* cuts the forward graph where it expects DDP's
 # buckets to end and compiles each piece on its own, so each piece's backward is a node of its
 # own, and DDP's hooks fire between them
-# ([DDP notes, "TorchDynamo DDPOptimizer"](https://docs.pytorch.org/docs/stable/notes/ddp.html#torchdynamo-ddpoptimizer);
-# the long comment "Note [DDPOptimizer]" in
-# [torch/_dynamo/backends/distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_dynamo/backends/distributed.py#L389-L448)).
-# It is on by default: `torch._dynamo.config.optimize_ddp = True`
-# ([config.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_dynamo/config.py#L404-L428);
-# `False` turns it off, `"python_reducer"` is an experimental alternative that needs compiled
-# autograd). How does dynamo know DDP is there? While DDP runs the wrapped module it records
-# itself as the active DDP module (`_inside_ddp_forward`,
-# [distributed.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1692-L1715)),
-# and every frame dynamo compiles asks for it
-# ([convert_frame.py](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_dynamo/convert_frame.py#L2600-L2624))
-# and, if there is one, hands the graph to `DDPOptimizer.compile_fn` with that module's
-# `bucket_cap_mb`.
+# ([DDP notes, "TorchDynamo DDPOptimizer"](https://docs.pytorch.org/docs/stable/notes/ddp.html#torchdynamo-ddpoptimizer),
+# and the long comment "Note [DDPOptimizer]" in torch/_dynamo/backends/distributed.py).
+# It is on by default: `torch._dynamo.config.optimize_ddp = True` (`False` turns it off,
+# `"python_reducer"` is an experimental alternative that needs compiled autograd). How does
+# dynamo know DDP is there? While DDP runs the wrapped module it records itself as the active DDP
+# module (`_inside_ddp_forward`), and every frame dynamo compiles asks for it and, if there is
+# one, hands the graph to `DDPOptimizer.compile_fn` with that module's `bucket_cap_mb`.
 #
 # Script: `compile_with_ddp.py` (`torchrun --standalone --nproc_per_node 2
-# chapters/07_training_loop/compile_with_ddp.py`). Its model is four 512 × 512 tanh layers and a
+# chapters/07_training_loop/compile_with_ddp.py`; its docstring links each of these places to
+# its lines in torch 2.13's source). Its model is four 512 × 512 tanh layers and a
 # small head, so each hidden layer holds exactly 1 MiB of float32 weights, which is what the cuts
 # are measured in. Its backend is `aot_eager`: AOTAutograd's forward and backward graphs, run
 # without generating code. That is everything the DDP optimizer depends on, and needs no C++
@@ -1922,10 +1910,11 @@ import train as tr
 
 # %% [markdown]
 # `train_one_epoch` accumulates over windows of `--accumulation-steps` batches, one all-reduce
-# per window (section 6; the exercise `train_steps` has you write that loop, so read the
-# script's version after you have written yours). Its training loss is accumulated as a tensor
-# on the device and all-reduced once per epoch, not turned into a Python float at every step
-# (`.item()` would wait for the GPU at each step).
+# per window (section 6), and `evaluate` computes the evaluation set's global loss and accuracy
+# (section 5). The exercises `train_steps` and `global_metrics` have you write the general
+# versions of these two functions, so read the script's after you have written yours. Its
+# training loss is accumulated as a tensor on the device and all-reduced once per epoch, not
+# turned into a Python float at every step (`.item()` would wait for the GPU at each step).
 #
 # ### Run it: 2 ranks learn what 1 process learns on the same global batches
 #
@@ -2032,12 +2021,11 @@ print("padded evaluation:", tr.problems(
 #
 # Each rank evaluates only its share of the validation set, but every rank needs the loss and
 # accuracy of the *whole* set, to log them, keep the best checkpoint or stop early, alike on every
-# rank. You write `evaluate(model, dataset, batch_size)`. Averaging the ranks' own means
-# over-weights a small share. `DistributedSampler` pads the shares, so some samples count twice.
-# `dist.reduce` leaves the answer on rank 0 alone. Sums and counts, all-reduced (section 5), are
-# exact. A rank with no samples must still join that all-reduce. Evaluate `ddp_model.module`, not
-# the wrapper, whose forward may broadcast rank 0's buffers. The tests record every row your model
-# sees. Self-check: `pytest exercises/07_training_loop/global_metrics.ipynb`.
+# rank. You write `evaluate(model, dataset, batch_size)`: the work shared among the ranks, every
+# sample counted once, exactly one process's numbers on every rank, and the model handed back as
+# it came, whatever the shares' sizes (some may be empty) and whether you are handed the model or
+# its DDP wrapper. The tests record every row your model sees and compare with one process.
+# Self-check: `pytest exercises/07_training_loop/global_metrics.ipynb`.
 #
 # ### `fix_the_loop`: three silent bugs
 #
@@ -2065,13 +2053,13 @@ print("padded evaluation:", tr.problems(
 #   from rank 0's data. SyncBatchNorm computes batch statistics over all ranks, on GPUs only.
 # * **Seeds.** The sampler's seed must be the same on every rank. Dropout and augmentation should
 #   differ between ranks. A learnable module outside the wrapper drifts apart without a word.
-# * **Gradient accumulation.** `no_sync()` goes around the forward *and* the backward of every
-#   micro-batch but the last of a step. Divide each loss by the number of micro-batches. Sync and
-#   step on the same, last micro-batch.
 # * **Losses are per rank; gradients are averaged.** To log a global number, all-reduce sums and
 #   counts. Under DDP a summed loss gives gradients W times smaller than one process summing the
 #   global batch, and of the scale of one process summing one rank's batch: its scale follows
 #   the rows per rank, not the world size.
+# * **Gradient accumulation.** `no_sync()` goes around the forward *and* the backward of every
+#   micro-batch but the last of a step. Divide each loss by the number of micro-batches. Sync and
+#   step on the same, last micro-batch.
 # * **Mixed precision** computes in bf16 or fp16 but keeps gradients in float32. The all-reduce
 #   carries the same bytes unless a compression hook is registered. GradScaler is for fp16 only.
 # * **`torch.compile`** cooperates with DDP: the DDP optimizer splits the graph at bucket

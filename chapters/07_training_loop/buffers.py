@@ -21,6 +21,17 @@ statistics, counters). With the default settings it *broadcasts* them from rank 
   an evaluation broadcasts, the next ones do not, nor does the first training forward after
   them; under ``no_sync`` accumulation only the first micro-batch of each window does.
 
+Those functions in torch 2.13's source (the lesson names them without links):
+
+* ``_sync_module_states``: https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L315
+* the constructor's sync, guarded by ``init_sync``:
+  https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1062-L1073
+* ``_pre_forward``: https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1744-L1782
+* ``_sync_buffers``: https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2405-L2450
+* ``will_sync_module_buffers``: https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L2382-L2387
+* ``_post_forward`` setting and clearing ``require_forward_param_sync``:
+  https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1828-L1841
+
 What each function here shows (each runs in every rank of a process group, e.g. via
 ``run_ranks``, and returns plain data; the ``check_*`` functions return what contradicts the
 lesson):

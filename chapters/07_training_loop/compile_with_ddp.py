@@ -33,6 +33,16 @@ each, and a head; ``bucket_cap_mb=1``; 3 SGD steps on per-rank data) and checks:
 The backend is ``aot_eager``: AOTAutograd's forward and backward graphs, run without generating
 code, which is what the DDP optimizer is about and needs no C++ compiler. ``--backend inductor``
 runs the same checks with generated kernels (it compiles C++ on the CPU: slow on a laptop).
+
+Where the lesson's section reads torch 2.13's source:
+
+* "Note [DDPOptimizer]", what the DDP optimizer does and why:
+  https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_dynamo/backends/distributed.py#L389-L448
+* ``optimize_ddp`` and its values: https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_dynamo/config.py#L404-L428
+* ``_inside_ddp_forward``, DDP recording itself as the active module:
+  https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1692-L1715
+* dynamo asking for the active DDP module when it compiles a frame:
+  https://github.com/pytorch/pytorch/blob/v2.13.0/torch/_dynamo/convert_frame.py#L2600-L2624
 """
 
 from __future__ import annotations
@@ -140,7 +150,7 @@ def build(order: str, bucket_cap_mb: float, backend: str):
         ddp = wrap(net, bucket_cap_mb)
         return ddp, ddp, net, None
     recorder = RecordingBackend(backend)
-    if order == "compile, then DDP":  # what the docs show ("Where to apply torch.compile?")
+    if order == "compile, then DDP":  # the docs page "Where to apply torch.compile?"
         net.compile(backend=recorder)
         ddp = wrap(net, bucket_cap_mb)
         return ddp, ddp, net, recorder

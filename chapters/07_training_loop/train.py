@@ -11,7 +11,8 @@ generated data (never downloaded) and shows, in order, what each step of the cha
 * ``DistributedSampler`` (shuffled, ``set_epoch`` before every epoch) so the ranks share each
   epoch's samples, each seeing a different part of every global batch;
 * the model built and placed on its device *before* it is wrapped in DDP (optionally compiled
-  first, the order the docs show: ``model.compile()``, then ``DDP(model)``);
+  first: ``model.compile()``, then ``DDP(model)``, the order of the docs page "Where to apply
+  torch.compile?"; the DDP notes show the other one, and the lesson shows both work);
 * optional gradient accumulation: ``no_sync()`` around the forward *and* the backward of every
   micro-batch but the last of each window, the loss divided by the window's length;
 * optional autocast (``--amp bf16`` or ``fp16``), with a GradScaler for fp16 (on CUDA, and on the
@@ -164,9 +165,9 @@ def compile_backend(config: Config, device: torch.device) -> str:
 
 
 def wrap_model(model: nn.Module, config: Config, device: torch.device) -> DDP:
-    """Compile (optionally) the plain model in place, then wrap it: the order the docs show.
-    ``.compile()`` keeps the model's class and state_dict keys; ``torch.compile(model)`` would
-    return a wrapper whose keys start with ``_orig_mod.``."""
+    """Compile (optionally) the plain model in place, then wrap it (the lesson's section 8:
+    either order works). ``.compile()`` keeps the model's class and state_dict keys;
+    ``torch.compile(model)`` would return a wrapper whose keys start with ``_orig_mod.``."""
     if config.compile:
         model.compile(backend=compile_backend(config, device))
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -24,6 +24,19 @@ script exits non-zero if anything does. What is shown, on 2 ranks with gloo:
 * ``model.module``: ``state_dict()`` keys carry a ``module.`` prefix through the wrapper; rank 0
   alone can evaluate ``model.module`` but not the wrapper (a collective waits for the others); a
   forward through ``model.module`` during training skips the gradient all-reduce.
+
+The constructor's steps, as the lesson lists them, in torch 2.13's source:
+
+* ``DistributedDataParallel.__init__`` as a whole:
+  https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L816-L1160
+* where the parameters are; what ``device_ids`` / ``output_device`` mean:
+  https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L930-L955
+* ``_verify_param_shape_across_processes`` (every rank's parameters against rank 0's):
+  https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1062-L1073
+* ``_sync_module_states`` (rank 0's parameters and buffers broadcast):
+  https://github.com/pytorch/pytorch/blob/v2.13.0/torch/distributed/utils.py#L289-L315
+* ``_ddp_init_helper`` (buckets, the C++ ``Reducer`` and its gradient hooks):
+  https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/distributed.py#L1374-L1483
 """
 
 from __future__ import annotations

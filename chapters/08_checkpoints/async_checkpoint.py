@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpcourse.dist_env import cpu_group, process_group
+from ddpcourse.report import report_checks_of_every_rank
 
 GATE_TIMEOUT_S = 60.0  # a writer never waits longer than this for its gate (a bug, not a demo)
 COLLECTIVES = ("gather_object", "scatter_object_list", "broadcast_object_list",
@@ -289,21 +290,16 @@ def main() -> int:
         directory = [tempfile.mkdtemp(prefix="ch08_async_") if ctx.is_main else None]
         dist.broadcast_object_list(directory, group=cpu_group())
         results = run_all(ctx.rank, ctx.world_size, directory[0])
-        found = problems(results)
-        failed = torch.tensor([len(found)])
-        dist.all_reduce(failed, group=cpu_group())
         if ctx.is_main:
             for part, values in results.items():
                 print(f"{part}:")
                 for key, value in values.items():
                     print(f"  {key}: {value}")
-            print("checks:", "passed" if failed.item() == 0 else "FAILED")
-        for problem in found:
-            print(f"rank {ctx.rank}: -", problem, flush=True)
+        code = report_checks_of_every_rank(problems(results), group=cpu_group())
         dist.barrier(group=cpu_group())
         if ctx.is_main:
             shutil.rmtree(directory[0], ignore_errors=True)
-        return 1 if failed.item() else 0
+        return code
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ writer's temporary file, which the next save removes. :func:`keep_last` shows th
 the newest ``keep`` checkpoints stay, and never the one ``latest`` names, even when an older step
 is saved last.
 
-Rank 0 runs the demos (they are about one writer; the other ranks wait at a barrier) and prints
-what it found; the script exits 1 if a claim fails.
+Rank 0 runs the demos (they are about one writer; the other ranks wait for its verdict) and
+prints what it found; every rank exits 1 if a claim fails.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling module, also when this
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # file is imported by its path
@@ -51,7 +50,7 @@ from checkpoint_files import CheckpointDir, PausingWriter, is_complete, saved_si
 
 from ddpcourse.dist_env import process_group  # noqa: E402
 from ddpcourse.launcher.processes import set_parent_death_signal  # noqa: E402
-from ddpcourse.report import report_checks  # noqa: E402
+from ddpcourse.report import report_checks_of_every_rank  # noqa: E402
 
 KILL_POINTS = ("while pickling", "half written", "before the pointer moves")
 WRITER_TIMEOUT_S = 60.0  # a writer that never reaches its kill point is killed after this
@@ -299,10 +298,7 @@ def main() -> int:
             for name, r in results.items():
                 print(f"{name}: {r}")
             found = problems(results)
-            report_checks(found)
-        verdict = [len(found)]
-        dist.broadcast_object_list(verdict, src=0)  # the other ranks waited here
-        return 1 if verdict[0] else 0
+        return report_checks_of_every_rank(found)  # the other ranks waited here
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpcourse.dist_env import cpu_group, process_group, short_timeout_group
+from ddpcourse.report import report_checks_of_every_rank
 
 TRAIN_STEPS = 3
 LONE_SAVE_TIMEOUT_S = 3.0  # how long rank 0's lone dcp.save waits for its peers before failing
@@ -326,16 +327,9 @@ def main() -> int:
         else:
             report = load_mode(ctx.rank, ctx.world_size, args.dir)
         found = problems(report, args.mode) if (ctx.is_main or args.mode == "load") else []
-        failed = torch.tensor([len(found)])
-        dist.all_reduce(failed, group=cpu_group())
         if ctx.is_main:
             print_report(report, args.mode)
-            print("checks:", "passed" if failed.item() == 0 else "FAILED")
-            for problem in found:
-                print("  -", problem)
-        if found and not ctx.is_main:
-            print(f"rank {ctx.rank}:", *found, sep="\n  - ", flush=True)
-        return 1 if failed.item() else 0
+        return report_checks_of_every_rank(found, group=cpu_group())
 
 
 if __name__ == "__main__":

@@ -55,15 +55,13 @@ setup_notebook("train_steps")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-train-steps", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## `train_steps(ddp_model, micro_batches, optimizer, loss_fn, accumulation_steps) -> list[float]` (8 points)
 #
-# Implement the loop as the docstring below says. What you need from the lesson:
-#
-# * `with ddp_model.no_sync():` around a micro-batch's forward **and** backward keeps its
-#   gradients local (they accumulate in `.grad`); DDP decides in the *forward* whether the next
-#   backward all-reduces, so a `no_sync()` around the backward alone changes nothing.
-# * The backward of the first micro-batch *outside* `no_sync()` all-reduces everything accumulated
-#   so far, averaged over the ranks.
-# * `.grad` adds up: dividing each micro-batch's loss by the number of micro-batches in its group
-#   makes the sum their mean.
+# Implement the loop its docstring below describes: what each optimizer step must compute, how
+# often the gradients may be all-reduced, what it returns. The lesson (chapter 07, "Gradient
+# accumulation") takes one optimizer step from exactly two micro-batches, unrolled, and shows
+# what `no_sync()` does and does not keep local. A loop over any list of micro-batches has more to
+# decide: for each micro-batch, whether its backward synchronises, how much its loss weighs (the
+# last group may be shorter), when the optimizer steps; and which loss to report so that every
+# rank reports the same.
 #
 # **How it is tested.** Each rank builds its model from a different seed (DDP's constructor copies
 # rank 0's), its own micro-batches and an SGD optimizer, then calls your function. The test counts
@@ -83,15 +81,14 @@ def train_steps(ddp_model: DDP, micro_batches: list, optimizer: torch.optim.Opti
 
     * Consecutive micro-batches form groups of `accumulation_steps`; the last group is shorter
       when `len(micro_batches)` is not a multiple of it (7 micro-batches, 3 per group: groups of
-      3, 3 and 1). Each group makes exactly ONE `optimizer.step()`, with gradients equal to the
+      3, 3 and 1). Each group makes exactly ONE `optimizer.step()`, and the gradients it steps
+      with are those of the group's micro-batches of all ranks taken as one large batch: the
       mean, over the group's micro-batches and over all ranks, of the gradient of each
-      micro-batch's loss: divide each micro-batch's loss by the size of ITS group (so the short
-      last group is divided by its own size, not by `accumulation_steps`). DDP averages over the
-      ranks.
-    * The gradients are all-reduced exactly once per optimizer step: every micro-batch of a group
-      but the last runs its forward and backward inside `ddp_model.no_sync()`.
-    * After each step the gradients are cleared (`optimizer.zero_grad()`), so the next step
-      starts from zero. The gradients are zero or None when the function is called.
+      micro-batch's loss (for a short last group, the mean over the micro-batches it has).
+    * The gradients are all-reduced exactly once per optimizer step, however many micro-batches
+      the step has.
+    * Every step starts from zero gradients, not from the previous step's: they are zero or None
+      when the function is called, and the gradients of one step must not leak into the next.
     * No micro-batches: no step; return `[]`.
 
     Args:
