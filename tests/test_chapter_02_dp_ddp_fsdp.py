@@ -150,7 +150,7 @@ def test_ddp_broadcasts_rank_0_parameters_at_construction(no_orphans):
     assert r0["checksum_after"] == r1["checksum_after"] == r0["checksum_before"]
 
 
-def test_ddp_rebroadcasts_rank_0_buffers_at_every_forward_by_default(no_orphans):
+def test_ddp_rebroadcasts_rank_0_buffers_at_the_next_training_forward_by_default(no_orphans):
     both = run_ranks(ch.ddp_buffer_sync_both, 2)
     r0, r1 = (r["default"] for r in both)
     off0, off1 = (r["off"] for r in both)

@@ -41,7 +41,7 @@ def test_every_buffer_claim_holds_on_three_ranks(buffer_results, no_orphans):
     assert bf.check(buffer_results) == []
 
 
-def test_rank0s_buffer_wins_at_construction_and_at_every_forward(buffer_results):
+def test_rank0s_buffer_wins_at_construction_and_at_the_next_training_forward(buffer_results):
     def values(mode, field):
         return [r[f"forward {mode}"][field] for r in buffer_results]
     assert values("default", "offset after DDP()") == [1.0, 1.0, 1.0]

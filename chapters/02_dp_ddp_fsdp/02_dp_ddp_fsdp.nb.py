@@ -202,7 +202,7 @@ plt.show()
 # ([data_parallel.py L195-197](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/nn/parallel/data_parallel.py#L195-L197)).
 # DDP copies the parameters once, in its constructor; after that it moves gradients, and the
 # buffers, which it broadcasts at the start of each forward that follows a training forward
-# (section 2.2; this MLP has none). The live times show what these costs come to on this
+# (one with gradients on, outside `no_sync()`: section 2.2; this MLP has none). The live times show what these costs come to on this
 # machine, beside DDP's; the verdict says whether the machine was quiet enough, and the repeats
 # close enough, to read them. Don't carry them to GPUs: here a replica is a copy within one
 # memory and gloo's all-reduce runs over loopback TCP.
@@ -619,7 +619,7 @@ for billions in (1, 3, 7, 13, 70):
 #   work piled on device 0.
 # * DDP: one process per device; rank 0's parameters broadcast once, at construction; rank 0's
 #   buffers broadcast again at the start of each forward that follows a training forward
-#   (by default); gradients all-reduced in buckets (25 MiB; a 1 MiB first bucket only when
+#   (gradients on, outside `no_sync()`; by default); gradients all-reduced in buckets (25 MiB; a 1 MiB first bucket only when
 #   `bucket_cap_mb` is left unset) during backward; every rank holds **everything** — 4 x the parameters with Adam, 5 x
 #   with the default bucket copy.
 # * FSDP2: every rank holds 1/N of parameters, gradients and optimizer state, all-gathers each
