@@ -9,11 +9,16 @@ exercises/09_debugging/collectives_that_hang.ipynb). Each runs on every rank of 
 Every lab is one :class:`~ddpcourse.grading.checks.Case`. In the ranks, ``observe`` builds the
 rank's model and data from the situation, calls the student's function and returns only data
 (what it returned or logged, the model's state afterwards). The judge, which never runs the
-student's code, simulates the ranks in one process (each rank's own batch, gradients averaged
-as DDP averages them, rank 0's buffers broadcast before a forward as DDP does) and compares:
-the values asked for exactly (steps, logged values, gathered rows) or within ``ATOL + RTOL *
-|x|`` (float results of training: the ranks add in another order than one process), and
-bit-identical parameters on every rank. Every launch has a deadline of ``HANG_DEADLINE_S``
+student's code, compares it with the situation's truth: the values asked for exactly (steps,
+logged values, gathered rows) or within ``ATOL + RTOL * |x|`` (float results of training: the
+ranks add in another order than one process), and bit-identical parameters on every rank. This
+module ships to students and is importable where their code runs, so it computes no truth (no
+simulated DDP training, no expected gather): the visible cases' truths are written out
+(:data:`WRITTEN_OUT`; a model's tensors as their sum and norm), the hidden cases' are computed by
+autograder/hidden/collectives_that_hang.py on the grader's side, which simulates the ranks in one
+process (each rank's own batch, gradients averaged as DDP averages them, rank 0's buffers
+broadcast before a forward as DDP does) and is held to :data:`WRITTEN_OUT` by
+tests/test_grading_collectives_that_hang.py. Every launch has a deadline of ``HANG_DEADLINE_S``
 seconds (a right solution needs well under one): a hang fails with every rank's stack and a hint
 at the mismatched collective; a gloo abort fails with the lab's explanation.
 """
@@ -21,7 +26,7 @@ at the mismatched collective; a gloo abort fails with the lab's explanation.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -247,142 +252,43 @@ def observe_gather(rank, world_size, fn, situations) -> dict:
     return {"calls": calls}
 
 
-# --- the judge: simulated ranks, no student code ------------------------------------------------
+# --- the judge: the truth of a situation against what the ranks did ----------------------------
+#
+# This module computes no truth: no simulated DDP training, no expected gather. A judge gets
+# ``truth(world_size, situation)``: the visible cases' is written out below (WRITTEN_OUT), the
+# hidden cases' is computed by autograder/hidden/collectives_that_hang.py on the grader's side.
+
+Truth = Callable[[int, Any], dict]
 
 
-def _ddp_step(modules: list, batches: list, lr: float, sync_buffers: bool = False) -> list:
-    """One DDP step of every simulated rank: rank 0's buffers first (DDP's pre-forward
-    broadcast), each rank's forward and backward on its own batch, gradients averaged, plain
-    SGD. Returns each rank's loss (before the step)."""
-    with torch.no_grad():
-        if sync_buffers:
-            for module in modules[1:]:
-                for mine, rank0s in zip(module.buffers(), modules[0].buffers()):
-                    mine.copy_(rank0s)
-    losses = []
-    for module, (x, y) in zip(modules, batches):
-        module.zero_grad()
-        loss = F.mse_loss(module(x), y)
-        loss.backward()
-        losses.append(loss.item())
-    with torch.no_grad():
-        for params in zip(*(list(m.parameters()) for m in modules)):
-            mean = torch.stack([p.grad for p in params]).mean(0)
-            for p in params:
-                p.add_(mean, alpha=-lr)
-    return losses
+def digest(tensor: torch.Tensor) -> list[float]:
+    """How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64)."""
+    t = tensor.detach().double()
+    return [t.sum().item(), t.norm().item()]
 
 
-def _replicas(make, world_size: int, seed: int) -> list:
-    """Every simulated rank's module, all with rank 0's initial parameters (DDP's constructor
-    broadcasts them, buffers included)."""
-    rank0 = make(model_seed(seed, 0)).state_dict()
-    modules = []
-    for _ in range(world_size):
-        module = make(0)
-        module.load_state_dict(rank0)
-        modules.append(module)
-    return modules
+def _templates(module_maker) -> dict[str, torch.Tensor]:
+    """The names, shapes and dtypes a rank's report of the model's state must have."""
+    return _state(module_maker(0))
 
 
-def _one_thread(fn):
-    def wrapped(*args, **kwargs):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with torch.random.fork_rng(devices=[]), torch.enable_grad():
-                return fn(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
-    return wrapped
-
-
-@_one_thread
-def expected_log(world_size, situation) -> tuple[list, dict]:
-    """Lab 1: rank 0's log ``[[step, global mean loss], ...]`` and the final state."""
-    rows, steps, lr, log_every, seed = situation
-    modules = _replicas(make_linear, world_size, seed)
-    batches = [make_batches(seed, rank, steps, rows) for rank in range(world_size)]
-    logged = []
-    for step in range(1, steps + 1):
-        losses = _ddp_step(modules, [b[step - 1] for b in batches], lr)
-        if step % log_every == 0:
-            logged.append([step, sum(losses) / world_size])
-    return logged, _state(modules[0])
-
-
-@_one_thread
-def expected_evaluate(world_size, situation) -> tuple[list, list]:
-    """Lab 2: rank 0's validation losses (eval mode, rank 0's running statistics) after each
-    epoch, and every rank's final state. Only rank 0's buffers are judged: the others' last
-    forward updated their own running statistics after DDP's last broadcast, unless an
-    evaluation through the wrapper on every rank broadcast rank 0's once more."""
-    rows, steps, epochs, lr, seed = situation
-    modules = _replicas(make_bn_model, world_size, seed)
-    batches = [make_batches(seed, rank, steps, rows) for rank in range(world_size)]
-    x_eval, y_eval = make_batch(seed, 99, 0, 2 * rows)
-    history = []
-    for _ in range(epochs):
-        for step in range(steps):
-            _ddp_step(modules, [b[step] for b in batches], lr, sync_buffers=True)
-        modules[0].eval()
-        with torch.no_grad():
-            history.append(F.mse_loss(modules[0](x_eval), y_eval).item())
-        modules[0].train()
-    return history, [_state(m) for m in modules]
-
-
-@_one_thread
-def expected_shard(world_size, situation) -> tuple[int, dict]:
-    """Lab 3: the steps every rank can take (the fewest batches of any shard) and the state."""
-    lengths, batch_size, lr, seed = situation
-    batches = [shard_batches(seed, rank, lengths[rank], batch_size) for rank in range(world_size)]
-    steps = min(len(b) for b in batches)
-    modules = _replicas(make_linear, world_size, seed)
-    for step in range(steps):
-        _ddp_step(modules, [b[step] for b in batches], lr)
-    return steps, _state(modules[0])
-
-
-def _lab4_losses(modules, batches) -> list[float]:
-    with torch.no_grad():
-        return [F.mse_loss(m(x), y).item() for m, (x, y) in zip(modules, batches)]
-
-
-@_one_thread
-def expected_skip(world_size, situation) -> tuple[list, dict, float]:
-    """Lab 4: the steps applied, the state, and how close any step's global mean loss came to
-    ``stop_below`` (relative), so that a situation is never decided by rounding."""
-    rows, steps, lr, stop_below, bad, seed = situation
-    modules = _replicas(make_linear, world_size, seed)
-    batches = [lab4_batches(seed, rank, steps, rows, bad) for rank in range(world_size)]
-    applied, margin = [], math.inf
-    for step in range(1, steps + 1):
-        mine = [b[step - 1] for b in batches]
-        losses = _lab4_losses(modules, mine)
-        if not all(math.isfinite(v) for v in losses):
-            continue
-        _ddp_step(modules, mine, lr)
-        applied.append(step)
-        mean = sum(losses) / world_size
-        margin = min(margin, abs(mean - stop_below) / stop_below)
-        if mean < stop_below:
-            break
-    return applied, _state(modules[0]), margin
-
-
-def expected_gather(world_size, situation) -> torch.Tensor:
-    rows, kind, seed = situation
-    return torch.cat([predictions(seed, rank, rows[rank], kind) for rank in range(world_size)])
+def _difference(got: torch.Tensor, want: Any) -> tuple[float, bool]:
+    """How far ``got`` is from ``want`` (a tensor: element-wise ``ATOL + RTOL * |w|``; a
+    written-out :func:`digest`: within ``numel * ATOL + RTOL * sqrt(numel) * norm``, which bounds
+    what the element-wise tolerance allows) and whether that is within the tolerance."""
+    if isinstance(want, torch.Tensor):
+        diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+        return diff, torch.allclose(got.double(), want.double(), rtol=RTOL, atol=ATOL)
+    diff = max(abs(a - b) for a, b in zip(digest(got), want))
+    return diff, diff <= ATOL * got.numel() + RTOL * math.sqrt(got.numel()) * want[1]
 
 
 def _judge_state(state: dict, want: dict, what: str, hint: str, names=None) -> None:
     for name in names if names is not None else want:
-        if not torch.allclose(state[name], want[name], rtol=RTOL, atol=ATOL):
-            diff = (state[name].double() - want[name].double()).abs().max().item()
+        diff, close = _difference(state[name], want[name])
+        if not close:
             raise CheckFailed(f"{what}: the model's {name!r} is not what the ranks' training "
-                              f"gives (largest difference {diff:.3g}, allowed {ATOL:g} + "
-                              f"{RTOL:g} * |w|). {hint}")
+                              f"gives (largest difference {diff:.3g}). {hint}")
 
 
 def _judge_replicas(states: list, names, what: str) -> None:
@@ -409,16 +315,21 @@ def _parameter_names(state: dict, module_maker) -> list[str]:
     return [name for name, _ in module_maker(0).named_parameters() if name in state]
 
 
-def judge_log(observations, world_size, situations) -> None:
+def judge_log_against(truth: Truth, observations, world_size, situations) -> None:
+    """``truth``: ``{"logged": rank 0's [[step, global mean loss], ...], "state": the model's}``."""
+    templates = _templates(make_linear)
+
     def judge_one(calls, world_size, situation):
         rows, steps, lr, log_every, seed = situation
         what = (f"{_ranks(world_size)}, {steps} steps of {rows} rows, logging every "
                 f"{log_every}")
-        logged, want = expected_log(world_size, situation)
+        known = truth(world_size, situation)
+        logged, want = known["logged"], known["state"]
         states = []
 
         def judge_rank(rank, call):
-            state = reported_tensors(observed(call, "state", dict), want, f"{what}: the model's")
+            state = reported_tensors(observed(call, "state", dict), templates,
+                                     f"{what}: the model's")
             states.append(state)
             got = observed(call, "logged", list)
             if rank != 0:
@@ -430,7 +341,7 @@ def judge_log(observations, world_size, situations) -> None:
             _judge_state(state, want, what, "Every rank must take every step.")
 
         judge_each_rank(calls, judge_rank)
-        _judge_replicas(states, _parameter_names(want, make_linear), what)
+        _judge_replicas(states, _parameter_names(templates, make_linear), what)
 
     _judge_calls(observations, world_size, situations, judge_one)
 
@@ -450,17 +361,22 @@ def _judge_logged(got: list, want: list, what: str) -> None:
                               f"of every rank's loss is {value:.6g}")
 
 
-def judge_evaluate(observations, world_size, situations) -> None:
+def judge_evaluate_against(truth: Truth, observations, world_size, situations) -> None:
+    """``truth``: ``{"history": rank 0's validation loss after each epoch, "state": rank 0's
+    model (every rank's parameters; the buffers only rank 0's)}``."""
+    templates = _templates(make_bn_model)
+    params = _parameter_names(templates, make_bn_model)
+    buffers = [name for name in templates if name not in params]
+
     def judge_one(calls, world_size, situation):
         rows, steps, epochs, lr, seed = situation
         what = f"{_ranks(world_size)}, {epochs} epochs of {steps} steps of {rows} rows"
-        history, wants = expected_evaluate(world_size, situation)
-        params = _parameter_names(wants[0], make_bn_model)
-        buffers = [name for name in wants[0] if name not in params]
+        known = truth(world_size, situation)
+        history, want = known["history"], known["state"]
         states = []
 
         def judge_rank(rank, call):
-            state = reported_tensors(observed(call, "state", dict), wants[rank],
+            state = reported_tensors(observed(call, "state", dict), templates,
                                      f"{what}: the model's")
             states.append(state)
             if observed(call, "training", bool) is not True:
@@ -484,10 +400,10 @@ def judge_evaluate(observations, world_size, situations) -> None:
                             f"{value:.6g}, expected {expected:.6g} (the model in eval mode: "
                             "BatchNorm normalises with its running statistics, and an "
                             "evaluation never updates them)")
-            _judge_state(state, wants[rank], what, "Training must be the ranks' DDP training, "
+            _judge_state(state, want, what, "Training must be the ranks' DDP training, "
                          "untouched by the evaluation.", params)
             if rank == 0:  # the others' last buffers depend on where the evaluation ran
-                _judge_state(state, wants[0], what, "BatchNorm's running statistics on rank 0 "
+                _judge_state(state, want, what, "BatchNorm's running statistics on rank 0 "
                              "are updated by its training forwards only: an evaluation in eval "
                              "mode leaves them alone.", buffers)
 
@@ -497,15 +413,20 @@ def judge_evaluate(observations, world_size, situations) -> None:
     _judge_calls(observations, world_size, situations, judge_one)
 
 
-def judge_shard(observations, world_size, situations) -> None:
+def judge_shard_against(truth: Truth, observations, world_size, situations) -> None:
+    """``truth``: ``{"steps": the steps every rank takes, "state": the model's}``."""
+    templates = _templates(make_linear)
+
     def judge_one(calls, world_size, situation):
         lengths, batch_size, lr, seed = situation
         what = (f"{_ranks(world_size)}, shards of {lengths} samples, batches of {batch_size}")
-        steps, want = expected_shard(world_size, situation)
+        known = truth(world_size, situation)
+        steps, want = known["steps"], known["state"]
         states = []
 
         def judge_rank(rank, call):
-            state = reported_tensors(observed(call, "state", dict), want, f"{what}: the model's")
+            state = reported_tensors(observed(call, "state", dict), templates,
+                                     f"{what}: the model's")
             states.append(state)
             got = observed(call, "steps", (int, type(None)))
             if got != steps:
@@ -519,21 +440,26 @@ def judge_shard(observations, world_size, situations) -> None:
                          "its shard, one DDP step each, and no other.")
 
         judge_each_rank(calls, judge_rank)
-        _judge_replicas(states, _parameter_names(want, make_linear), what)
+        _judge_replicas(states, _parameter_names(templates, make_linear), what)
 
     _judge_calls(observations, world_size, situations, judge_one)
 
 
-def judge_skip(observations, world_size, situations) -> None:
+def judge_skip_against(truth: Truth, observations, world_size, situations) -> None:
+    """``truth``: ``{"applied": the steps every rank applies, "state": the model's}``."""
+    templates = _templates(make_linear)
+
     def judge_one(calls, world_size, situation):
         rows, steps, lr, stop_below, bad, seed = situation
         what = (f"{_ranks(world_size)}, {steps} steps, bad batches {[tuple(b) for b in bad]}, "
                 f"stop below {stop_below:g}")
-        applied, want, _ = expected_skip(world_size, situation)
+        known = truth(world_size, situation)
+        applied, want = known["applied"], known["state"]
         states = []
 
         def judge_rank(rank, call):
-            state = reported_tensors(observed(call, "state", dict), want, f"{what}: the model's")
+            state = reported_tensors(observed(call, "state", dict), templates,
+                                     f"{what}: the model's")
             states.append(state)
             got = observed(call, "applied", (list, type(None)))
             if got != applied or observed(call, "returned_length", int) != len(applied):
@@ -545,16 +471,20 @@ def judge_skip(observations, world_size, situations) -> None:
                          "over the ranks is below stop_below.")
 
         judge_each_rank(calls, judge_rank)
-        _judge_replicas(states, _parameter_names(want, make_linear), what)
+        _judge_replicas(states, _parameter_names(templates, make_linear), what)
 
     _judge_calls(observations, world_size, situations, judge_one)
 
 
-def judge_gather(observations, world_size, situations) -> None:
+def judge_gather_against(truth: Truth, observations, world_size, situations) -> None:
+    """``truth``: ``{"gathered": every rank's rows in rank order}`` (a tensor), or written out
+    ``{"dtype": name, "values": nested lists}``."""
     def judge_one(calls, world_size, situation):
         rows, kind, seed = situation
         what = f"{_ranks(world_size)} holding {rows} rows of {kind}"
-        want = expected_gather(world_size, situation)
+        known = truth(world_size, situation)
+        want = (known["gathered"] if "gathered" in known
+                else torch.tensor(known["values"], dtype=getattr(torch, known["dtype"])))
 
         def judge_rank(rank, call):
             got = observed(call, "gathered", (torch.Tensor, type(None)))
@@ -581,11 +511,6 @@ def judge_gather(observations, world_size, situations) -> None:
     _judge_calls(observations, world_size, situations, judge_one)
 
 
-LOG = Case(observe_log, judge_log)
-EVALUATE = Case(observe_evaluate, judge_evaluate)
-SHARD = Case(observe_shard, judge_shard)
-SKIP = Case(observe_skip, judge_skip)
-GATHER = Case(observe_gather, judge_gather)
 
 HINTS = {
     "log": "a collective that only some ranks call waits for the others forever (or pairs with "
@@ -612,6 +537,126 @@ VISIBLE_SHARD = [([10, 7], 3, 0.1, 0)]  # (shard lengths by rank, batch_size, lr
 VISIBLE_SKIP = [(4, 6, 0.1, 0.05, [[1, 2, "nan"]], 0),  # (rows, steps, lr, stop_below, bad, seed)
                 (4, 8, 0.3, 0.2, [], 1)]
 VISIBLE_GATHER = [([4, 3], "labels", 0), ([5, 1], "scores", 1)]  # (rows by rank, kind, seed)
+
+
+def situation_key(world_size: int, situation) -> str:
+    """How :data:`WRITTEN_OUT` names a situation."""
+    return f"{world_size} ranks, {situation!r}"
+
+
+# The truths of the visible cases, as autograder/hidden/collectives_that_hang.py computes them
+# (`python -m autograder.hidden.collectives_that_hang` prints them again): logged values, steps
+# and gathered rows as they are, each tensor of a model's state as its sum and norm.
+WRITTEN_OUT: dict[str, dict[str, dict]] = {
+    'log': {
+        '2 ranks, (4, 4, 0.1, 2, 0)': {
+            'logged': [
+                [2, 0.4621429741382599],
+                [4, 0.9734540581703186],
+            ],
+            'state': {
+                'weight': [0.46665384620428085, 0.3219415321512544],
+                'bias': [-0.1661975085735321, 0.1661975085735321],
+            },
+        },
+    },
+    'evaluate': {
+        '2 ranks, (6, 3, 2, 0.1, 0)': {
+            'history': [0.445078581571579, 0.4157770872116089],
+            'state': {
+                '0.weight': [1.449191355612129, 1.3968618400471033],
+                '0.bias': [-0.5047138333320618, 0.9487443238709282],
+                '1.weight': [7.967727184295654, 2.8170703945423807],
+                '1.bias': [0.00867975887376815, 0.0183890851527959],
+                '1.running_mean': [-0.34903011843562126, 0.47909024568908853],
+                '1.running_var': [5.635832726955414, 2.0215255304394426],
+                '1.num_batches_tracked': [6.0, 6.0],
+                '3.weight': [0.3208255171775818, 0.4815874140640033],
+                '3.bias': [-0.13073022663593292, 0.13073022663593292],
+            },
+        },
+    },
+    'shard': {
+        '2 ranks, ([10, 7], 3, 0.1, 0)': {
+            'steps': 3,
+            'state': {
+                'weight': [0.5411286503076553, 0.3653889102172591],
+                'bias': [-0.13289359211921692, 0.13289359211921692],
+            },
+        },
+    },
+    'skip': {
+        "2 ranks, (4, 6, 0.1, 0.05, [[1, 2, 'nan']], 0)": {
+            'applied': [1, 3, 4, 5, 6],
+            'state': {
+                'weight': [0.4960843361914158, 0.310968273998277],
+                'bias': [-0.06020009517669678, 0.06020009517669678],
+            },
+        },
+        '2 ranks, (4, 8, 0.3, 0.2, [], 1)': {
+            'applied': [1, 2, 3, 4, 5],
+            'state': {
+                'weight': [0.5805915296077728, 0.37683201980686565],
+                'bias': [0.08255837112665176, 0.08255837112665176],
+            },
+        },
+    },
+    'gather': {
+        "2 ranks, ([4, 3], 'labels', 0)": {
+            'dtype': 'int64',
+            'values': [6, 8, 7, 7, 5, 5, 7],
+        },
+        "2 ranks, ([5, 1], 'scores', 1)": {
+            'dtype': 'float32',
+            'values': [
+                [0.46648895740509033, -0.9024532437324524, 1.565162181854248],
+                [1.5427238941192627, 1.1768746376037598, 0.0688575804233551],
+                [0.34443172812461853, 1.2826054096221924, 0.9376524090766907],
+                [-2.1198363304138184, 0.20064613223075867, -1.5909433364868164],
+                [0.14139781892299652, 0.9671911597251892, -1.0081946849822998],
+                [0.2999265193939209, 0.36482346057891846, -1.753698468208313],
+            ],
+        },
+    },
+}
+
+
+def written_out(lab: str) -> Truth:
+    """The visible cases' truth for ``lab``: their entry of :data:`WRITTEN_OUT`."""
+    def truth(world_size: int, situation) -> dict:
+        key = situation_key(world_size, situation)
+        if key not in WRITTEN_OUT.get(lab, {}):
+            raise RuntimeError(f"no written-out truth for {lab} in {key}: judge it with the "
+                               "grader's hidden checks")
+        return WRITTEN_OUT[lab][key]
+    return truth
+
+
+def judge_log(observations, world_size, situations) -> None:
+    judge_log_against(written_out("log"), observations, world_size, situations)
+
+
+def judge_evaluate(observations, world_size, situations) -> None:
+    judge_evaluate_against(written_out("evaluate"), observations, world_size, situations)
+
+
+def judge_shard(observations, world_size, situations) -> None:
+    judge_shard_against(written_out("shard"), observations, world_size, situations)
+
+
+def judge_skip(observations, world_size, situations) -> None:
+    judge_skip_against(written_out("skip"), observations, world_size, situations)
+
+
+def judge_gather(observations, world_size, situations) -> None:
+    judge_gather_against(written_out("gather"), observations, world_size, situations)
+
+
+LOG = Case(observe_log, judge_log)
+EVALUATE = Case(observe_evaluate, judge_evaluate)
+SHARD = Case(observe_shard, judge_shard)
+SKIP = Case(observe_skip, judge_skip)
+GATHER = Case(observe_gather, judge_gather)
 
 
 def check_train_and_log(fn, timeout: float = HANG_DEADLINE_S) -> None:
