@@ -67,6 +67,44 @@ def test_the_trusted_grader_passes_the_solution_and_fails_a_given(host):
         checks.check_gather_predictions(submitted(given(4), host), timeout=SHORT)
 
 
+def test_the_written_out_truths_are_the_graders():
+    """Every visible case's written-out truth is what the grader's simulation computes (so a
+    written-out value cannot drift from it), and the visible module simulates nothing itself."""
+    truths = hidden.written_out()
+    assert checks.WRITTEN_OUT.keys() == truths.keys()
+    for lab, by_situation in truths.items():
+        assert checks.WRITTEN_OUT[lab].keys() == by_situation.keys(), lab
+        for key, truth in by_situation.items():
+            assert _close(checks.WRITTEN_OUT[lab][key], truth), (lab, key)
+    for name in ("expected_log", "expected_evaluate", "expected_shard", "expected_skip",
+                 "expected_gather", "_ddp_step", "_replicas"):
+        assert not hasattr(checks, name), name
+    with pytest.raises(RuntimeError, match="no written-out truth"):
+        checks.written_out("gather")(3, hidden.GATHER_SITUATIONS[3][0])
+
+
+def _close(a, b) -> bool:
+    """Equal, floats to 1e-12 relative (a written-out repr and a fresh computation)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_the_solution_passes_the_hidden_judges_of_the_visible_situations():
+    """The grader's judges (full tensors, not sums and norms) accept the solution where the
+    written-out truths do."""
+    for case, fn, situations in zip((hidden.LOG, hidden.EVALUATE, hidden.SHARD, hidden.SKIP,
+                                     hidden.GATHER), solutions(),
+                                    (checks.VISIBLE_LOG, checks.VISIBLE_EVALUATE,
+                                     checks.VISIBLE_SHARD, checks.VISIBLE_SKIP,
+                                     checks.VISIBLE_GATHER)):
+        checks._run(case, 2, fn, situations, "", None, False)
+
+
 # --- the givens fail the way the labs say ---------------------------------------------------------
 
 
@@ -252,8 +290,8 @@ def test_a_skip_that_only_looks_for_nan_fails_on_the_hidden_inf_batch():
                 if any(kind == "inf" for _, _, kind in situation[4])]
     assert with_inf
     with pytest.raises(CheckFailed, match="the steps every rank applies"):
-        checks._run(checks.SKIP, 3, only_nan, with_inf, checks.HINTS["skip"], None, False)
-    checks._run(checks.SKIP, 3, _skip_loop(stop_on_own_loss=False), with_inf,
+        checks._run(hidden.SKIP, 3, only_nan, with_inf, checks.HINTS["skip"], None, False)
+    checks._run(hidden.SKIP, 3, _skip_loop(stop_on_own_loss=False), with_inf,
                 checks.HINTS["skip"], None, False)
 
 
@@ -332,7 +370,7 @@ def test_the_early_stops_are_never_decided_by_rounding_and_one_stops_on_the_mean
         (n, s) for n, cases in hidden.SKIP_SITUATIONS.items() for s in cases]
     stops, skips = 0, 0
     for world_size, situation in situations:
-        applied, _, margin = checks.expected_skip(world_size, situation)
+        applied, _, margin = hidden.expected_skip(world_size, situation)
         assert margin > 0.05, (world_size, situation, margin)
         stops += applied[-1] < situation[1]
         skips += len(applied) < applied[-1]
@@ -342,7 +380,7 @@ def test_the_early_stops_are_never_decided_by_rounding_and_one_stops_on_the_mean
 def test_shard_situations_cover_equal_longer_and_empty_shards():
     lengths = [s[0] for cases in hidden.SHARD_SITUATIONS.values() for s in cases]
     assert any(len(set(ls)) == 1 for ls in lengths) and any(0 in ls for ls in lengths)
-    assert checks.expected_shard(4, hidden.SHARD_SITUATIONS[4][1])[0] == 0
+    assert hidden.expected_shard(4, hidden.SHARD_SITUATIONS[4][1])[0] == 0
 
 
 # --- the judges read the ranks' reports as untrusted data ----------------------------------------
@@ -352,7 +390,7 @@ GATHER_SITUATION = ([4, 3], "labels", 0)
 
 
 def honest_gather(rank):
-    want = checks.expected_gather(2, GATHER_SITUATION)
+    want = hidden.expected_gather(2, GATHER_SITUATION)
     return {"calls": [{"gathered": want.clone(), "returned": "Tensor", "returned_length": -1,
                        "returned_text": "tensor(...)", "shape": list(want.shape)}]}
 
@@ -372,4 +410,4 @@ def test_a_damaged_report_fails_its_rank_only(path, value):
 
 def test_honest_reports_pass():
     checks.judge_gather([honest_gather(0), honest_gather(1)], 2, [GATHER_SITUATION])
-    assert math.isfinite(checks.expected_skip(2, checks.VISIBLE_SKIP[0])[2])
+    assert math.isfinite(hidden.expected_skip(2, checks.VISIBLE_SKIP[0])[2])

@@ -6,6 +6,7 @@ fail the check they should. The exercise: solutions/09_debugging/ddp_errors.nb.p
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -293,10 +294,10 @@ def test_lab_1_fixes_that_only_hold_for_a_head_never_used_fail_the_hidden_checks
     for fix in (aux_frozen, aux_static_graph, aux_times_zero):
         checks.check_aux_head_never_used(fix)
     with pytest.raises(CheckFailed, match="differs from one process's"):
-        run_student(checks.UNUSED, some_steps[0], aux_frozen, some_steps[1])
+        run_student(hidden.UNUSED, some_steps[0], aux_frozen, some_steps[1])
     with pytest.raises(CheckFailed, match="Your training graph has changed"):
-        run_student(checks.UNUSED, some_steps[0], aux_static_graph, some_steps[1])
-    run_student(checks.UNUSED, some_steps[0], aux_times_zero, some_steps[1])
+        run_student(hidden.UNUSED, some_steps[0], aux_static_graph, some_steps[1])
+    run_student(hidden.UNUSED, some_steps[0], aux_times_zero, some_steps[1])
 
 
 def test_lab_1_a_head_left_out_of_the_wrapper_is_never_broadcast():
@@ -328,10 +329,32 @@ def test_lab_11_wrong_fixes(wrong, message):
 def test_lab_11_a_frozen_pooler_without_the_flag_fails_only_with_a_shared_block():
     checks.check_checkpointed_tower(tower_pooler_frozen)
     with pytest.raises(CheckFailed, match=READY_TWICE):
-        run_student(checks.CHECKPOINTED, hidden.TOWER_SITUATIONS[0][0], tower_pooler_frozen,
+        run_student(hidden.CHECKPOINTED, hidden.TOWER_SITUATIONS[0][0], tower_pooler_frozen,
                     hidden.TOWER_SITUATIONS[0][1])
-    run_student(checks.CHECKPOINTED, hidden.TOWER_SITUATIONS[0][0], tower_static_graph,
+    run_student(hidden.CHECKPOINTED, hidden.TOWER_SITUATIONS[0][0], tower_static_graph,
                 hidden.TOWER_SITUATIONS[0][1])
+
+
+# --- the truths: computed on the grader's side only ---------------------------------------------
+
+
+def test_the_written_out_truths_are_the_graders():
+    """Every visible case's written-out truth is what the grader's one-process training computes
+    (so a written-out value cannot drift from it), and the visible module trains nothing."""
+    truths = hidden.written_out()
+    assert checks.WRITTEN_OUT.keys() == truths.keys()
+    for lab, by_situation in truths.items():
+        assert checks.WRITTEN_OUT[lab].keys() == by_situation.keys(), lab
+        for key, truth in by_situation.items():
+            for part, state in truth.items():
+                for name, (total, norm) in state.items():
+                    written = checks.WRITTEN_OUT[lab][key][part][name]
+                    assert math.isclose(written[0], total, rel_tol=1e-12, abs_tol=1e-15)
+                    assert math.isclose(written[1], norm, rel_tol=1e-12), (lab, part, name)
+    for name in ("unused_reference", "resume_reference", "tower_reference"):
+        assert not hasattr(checks, name), name
+    with pytest.raises(RuntimeError, match="no written-out truth"):
+        checks.written_out("tower")(checks.tower_setting(seed=99), 2)
 
 
 # --- judged by the trusted grader: sandbox-side ranks, traffic counted by its broker ----------
@@ -374,10 +397,10 @@ DAMAGE = [((), None), (("raised",), "x"), (("weights",), []), (("weights", "aux.
 
 
 def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge():
-    situations = [(checks.UNUSED, checks.judge_unused, SOLUTION_AUX, checks.unused_setting()),
+    situations = [(checks.UNUSED, checks.judge_unused, SOLUTION_AUX, checks.VISIBLE_UNUSED),
                   (checks.RESUME, checks.judge_resume, (SOLUTION_SAVE, SOLUTION_RESUME),
-                   checks.resume_setting()),
-                  (checks.CHECKPOINTED, checks.judge_checkpointed, SOLUTION_TOWER,
+                   checks.VISIBLE_RESUME),
+                  (checks.CHECKPOINTED, hidden.judge_checkpointed, SOLUTION_TOWER,
                    checks.tower_setting())]
     for case, judge, fn, s in situations:
         reports = _observations(case, 2, fn, s)

@@ -8,6 +8,7 @@ passing every visible and hidden check is tests/test_exercises.py's.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -266,7 +267,7 @@ def test_other_right_temperature_fixes_pass_and_the_hidden_start_needs_syncing()
     checks.check_train_with_temperature(temperature_in_a_ddp_of_its_own)
     checks.check_train_with_temperature(temperature_gradient_averaged_by_hand)
     with pytest.raises(CheckFailed, match="criterion 'log_temperature' differs"):
-        run_student(checks.TEMPERATURE, 3, temperature_gradient_averaged_by_hand,
+        run_student(hidden.TEMPERATURE, 3, temperature_gradient_averaged_by_hand,
                     hidden.TRAINING_SITUATIONS[3])
 
 
@@ -393,14 +394,42 @@ def test_the_replays_of_right_runs_are_the_references_and_the_mistakes_differ():
 def _replays_are_fair():
     for world_size, situation in ((2, VISIBLE[0]), (4, hidden.TRAINING_SITUATIONS[4][0])):
         s = checks.Situation(*situation)
-        one = checks.one_process_temperature(s, world_size)
+        one = hidden.one_process_temperature(s, world_size)
         for mistake in checks.TEMPERATURE_MISTAKES:
-            replayed = checks.replay_temperature(s, world_size, mistake)
+            replayed = hidden.replay_temperature(s, world_size, mistake)
             assert not all(checks._close(r["criterion"], one["criterion"]) for r in replayed)
-        reference = checks.replay_batchnorm(s, world_size, "rank 0")[0]
+        reference = hidden.replay_batchnorm(s, world_size, "rank 0")[0]
         for mistake in checks.BATCHNORM_MISTAKES:
-            replayed = checks.replay_batchnorm(s, world_size, mistake)
+            replayed = hidden.replay_batchnorm(s, world_size, mistake)
             assert not all(checks._close(r["model"], reference["model"]) for r in replayed)
+
+
+def test_the_written_out_truths_are_the_graders():
+    """Every visible case's written-out truth is what the grader's one-process training and
+    replays compute (so a written-out value cannot drift from them); the visible module trains
+    and replays nothing itself."""
+    truths = hidden.written_out()
+    assert checks.WRITTEN_OUT.keys() == truths.keys()
+    for lab, by_situation in truths.items():
+        assert checks.WRITTEN_OUT[lab].keys() == by_situation.keys(), lab
+        for key, truth in by_situation.items():
+            assert _close_values(checks.WRITTEN_OUT[lab][key], truth), (lab, key)
+    for name in ("one_process_temperature", "replay_temperature", "replay_batchnorm",
+                 "_sgd_step"):
+        assert not hasattr(checks, name), name
+    with pytest.raises(RuntimeError, match="no written-out truth"):
+        checks.written_out("batchnorm")(checks.Situation(*hidden.TRAINING_SITUATIONS[3][0]), 3)
+
+
+def _close_values(a, b) -> bool:
+    """Equal, floats to 1e-12 relative (a written-out repr and a fresh computation)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close_values(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def test_through_the_trusted_grader_the_solution_passes(host):

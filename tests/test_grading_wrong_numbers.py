@@ -1,12 +1,14 @@
 """The checks of exercise wrong_numbers (chapter 09: padded evaluation, a missing set_epoch,
-no_sync around the backward only and synced at the wrong micro-batch) pass the notebook's
-solutions in every situation, visible and hidden, with room to spare within their tolerances;
-catch the notebook's given functions the way its labs say, and the tempting wrong fixes; count
-the gradient all-reduces through the grader's broker too; and read the ranks' reports as
-untrusted data. The exercise: solutions/09_debugging/wrong_numbers.nb.py."""
+gradient clipping inside no_sync) pass the notebook's solutions in every situation, visible and
+hidden, with room to spare within their tolerances; hold every written-out truth of the visible
+cases to the grader's reference; catch the notebook's given functions the way its labs say, and
+the tempting wrong fixes; count the gradient all-reduces through the grader's broker too; and read
+the ranks' reports as untrusted data. The exercise: solutions/09_debugging/wrong_numbers.nb.py."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import sys
 
 import cloudpickle
@@ -36,18 +38,19 @@ TIMEOUT_S = 60  # only catches a hang of the tests themselves; the checks keep t
 
 def from_the_notebook(cell_id: str, name: str):
     """A function as the source notebook's cell ``cell_id`` defines it (the setup cell's names)."""
-    namespace = {"torch": torch, "dist": dist, "F": F, "DataLoader": DataLoader,
-                 "Subset": Subset, "DistributedSampler": DistributedSampler}
+    namespace = {"contextlib": contextlib, "torch": torch, "dist": dist, "F": F,
+                 "DataLoader": DataLoader, "Subset": Subset,
+                 "DistributedSampler": DistributedSampler}
     exec(compile(solution_code(SOURCE, cell_id), "<student notebook>", "exec"), namespace)
     return namespace[name]
 
 
 accuracy = from_the_notebook("accuracy", "accuracy")
 train_epochs = from_the_notebook("train-epochs", "train_epochs")
-train_accumulated = from_the_notebook("train-accumulated", "train_accumulated")
+train_clipped = from_the_notebook("train-clipped", "train_clipped")
 given_accuracy = from_the_notebook("given-accuracy", "given_accuracy")
 given_train_epochs = from_the_notebook("given-train-epochs", "given_train_epochs")
-given_train_accumulated = from_the_notebook("given-train-accumulated", "given_train_accumulated")
+given_train_clipped = from_the_notebook("given-train-clipped", "given_train_clipped")
 
 
 @pytest.fixture(scope="module")
@@ -65,35 +68,79 @@ def every_situation(visible, hidden_by_world_size):
 
 
 def test_the_solutions_pass_every_visible_and_hidden_situation_well_within_the_tolerances():
-    """Observed once per situation, judged as the checks judge; the largest distance from one
-    process is measured against the allowance the module docstring states."""
+    """Observed once per situation, judged as the checks judge (the visible cases by their
+    written-out truth and by the grader's, the hidden ones by the grader's); the largest distance
+    from one process is measured against the allowance the module docstring states."""
     worst = 0.0
     for world_size, situations in every_situation(checks.VISIBLE_ACCURACY,
                                                   hidden.ACCURACY_SITUATIONS):
         reports = run_observation(checks.observe_accuracy, world_size,
                                   pickle_by_value(accuracy), (situations,), TIMEOUT_S)
-        checks.judge_accuracy(reports, world_size, situations)
+        hidden.judge_accuracy(reports, world_size, situations)
+        if world_size == 2:
+            checks.judge_accuracy(reports, world_size, situations)
     for world_size, situations in every_situation(checks.VISIBLE_EPOCHS,
                                                   hidden.EPOCH_SITUATIONS):
         reports = run_observation(checks.observe_epochs, world_size,
                                   pickle_by_value(train_epochs), (situations,), TIMEOUT_S)
-        checks.judge_epochs(reports, world_size, situations)
+        hidden.judge_epochs(reports, world_size, situations)
+        if world_size == 2:
+            checks.judge_epochs(reports, world_size, situations)
         for number, s in enumerate(situations):
-            reference = checks.epochs_reference(s, world_size)
+            reference = hidden.epochs_truth(s, world_size)["weights"]
             weights = reports[0]["calls"][number]["weights"]
             worst = max(worst, *((weights[n] - reference[n]).abs().max().item()
                                  for n in reference))
-    for world_size, situations in every_situation(checks.VISIBLE_ACCUMULATION,
-                                                  hidden.ACCUMULATION_SITUATIONS):
+    for world_size, situations in every_situation(checks.VISIBLE_CLIPPING,
+                                                  hidden.CLIPPING_SITUATIONS):
         for s in situations:
-            reports = run_observation(checks.observe_accumulated, world_size,
-                                      pickle_by_value(train_accumulated), (s,), TIMEOUT_S)
-            checks.judge_accumulated(reports, world_size, s)
-            gradients, reference = checks.accumulated_reference(s, world_size)
+            reports = run_observation(checks.observe_clipped, world_size,
+                                      pickle_by_value(train_clipped), (s,), TIMEOUT_S)
+            hidden.judge_clipped(reports, world_size, s)
+            if world_size == 2:
+                checks.judge_clipped(reports, world_size, s)
+            truth = hidden.clipping_truth(s, world_size)
+            worst = max(worst, *(abs(a - b) for a, b in zip(reports[0]["norms"],
+                                                            truth["norms"])))
             observed = reports[0]["gradients"] + [reports[0]["weights"]]
-            for got, want in zip(observed, gradients + [reference]):
+            for got, want in zip(observed, truth["gradients"] + [truth["weights"]]):
                 worst = max(worst, *((got[n] - want[n]).abs().max().item() for n in want))
     assert worst < checks.ATOL / 10, worst
+
+
+def test_the_written_out_truths_are_the_graders():
+    """Every visible case's written-out truth is what the grader's reference computes (so a
+    written-out value cannot drift from it), and the visible module computes none itself."""
+    assert checks.WRITTEN_OUT.keys() == hidden.written_out().keys()
+    for lab, truths in hidden.written_out().items():
+        assert checks.WRITTEN_OUT[lab].keys() == truths.keys(), lab
+        for key, truth in truths.items():
+            assert _close(checks.WRITTEN_OUT[lab][key], truth), (lab, key)
+    for name in ("sampler_order", "epochs_truth", "clipping_truth", "accuracy_truth",
+                 "expected_batches", "epochs_reference", "accumulated_reference"):
+        assert not hasattr(checks, name), name
+    with pytest.raises(RuntimeError, match="no written-out truth"):
+        checks.written_out("clipped")(checks.clipping_situation(6, 3, 0.3, seed=99), 2)
+
+
+def _close(a, b) -> bool:
+    """Equal, floats to 1e-12 relative (a written-out repr and a fresh computation)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_the_clipping_situations_tell_the_given_loop_from_the_fix():
+    """In every visible situation some step's averaged gradient is longer than max_norm (so the
+    clip acts); in one hidden situation none is (a clip that never acts still returns norms)."""
+    for s in checks.VISIBLE_CLIPPING:
+        assert max(hidden.clipping_truth(s, 2)["norms"]) > s["max_norm"], s
+    ws, s = 4, hidden.CLIPPING_SITUATIONS[4][1]
+    assert max(hidden.clipping_truth(s, ws)["norms"]) < s["max_norm"]
 
 
 # --- (b) the given functions fail the way the labs say -----------------------------------------
@@ -112,34 +159,13 @@ def test_the_given_loop_repeats_epoch_0s_order():
         checks.check_train_epochs(given_train_epochs)
 
 
-def test_the_given_accumulation_syncs_every_micro_batch():
-    with pytest.raises(CheckFailed, match=r"expected 2 gradient all-reduce\(s\), one per "
-                                          r"optimizer step, but the ranks all-reduced the "
-                                          r"gradients 6 time\(s\): one per micro-batch"):
-        checks.check_train_accumulated(given_train_accumulated)
-
-
-def forward_moved_into_no_sync(ddp_model, optimizer, micro_batches, accumulation_steps):
-    """The given loop with its first bug fixed only: the sync stays on the group's first."""
-    count = len(micro_batches)
-    for i, (x, y) in enumerate(micro_batches):
-        first = i - i % accumulation_steps
-        group_size = min(accumulation_steps, count - first)
-        if i % accumulation_steps == 0:
-            (F.mse_loss(ddp_model(x), y) / group_size).backward()
-        else:
-            with ddp_model.no_sync():
-                (F.mse_loss(ddp_model(x), y) / group_size).backward()
-        if i == first + group_size - 1:
-            optimizer.step()
-            optimizer.zero_grad()
-
-
-def test_the_given_accumulation_half_fixed_syncs_the_first_micro_batch():
-    with pytest.raises(CheckFailed, match=r"at optimizer step 0, rank 1's gradient of "
-                                          r"'0\.weight' differs from rank 0's(.|\n)*Sync the "
-                                          r"LAST micro-batch"):
-        checks.check_train_accumulated(forward_moved_into_no_sync)
+def test_the_given_clipping_returns_a_norm_that_is_not_the_averaged_gradients():
+    """The given loop's ranks agree and its steps are within max_norm: only the norm (and then
+    the weights) tell, and the message explains where the clip went wrong."""
+    with pytest.raises(CheckFailed, match=r"accumulation_steps=3, max_norm=0\.3, 2 rank\(s\): at "
+                                          r"optimizer step 0 the norm returned is .*AVERAGED over "
+                                          r"the ranks(.|\n)*A clip inside no_sync\(\) measures"):
+        checks.check_train_clipped(given_train_clipped)
 
 
 # --- (c) the tempting wrong fixes -------------------------------------------------------------
@@ -204,37 +230,73 @@ def test_set_epoch_after_the_epoch_repeats_epoch_0():
         checks.check_train_epochs(set_too_late)
 
 
-def accumulation(rule: str):
-    """A wrong fix: "no_tail" syncs on (i + 1) % k == 0 only (the shorter last group never
-    syncs), "divide_by_k" divides the tail's losses by accumulation_steps."""
-    def wrong_accumulated(ddp_model, optimizer, micro_batches, accumulation_steps):
-        count = len(micro_batches)
+def clipping(rule: str):
+    """A wrong fix. "before_last": clip at the start of the group's last micro-batch (one rank's
+    partial sum, before DDP averages); "after_step": clip after optimizer.step() (nothing
+    clipped); "clipped_norm": clip right, but return the norm after clipping; "forward_outside":
+    the forward of every micro-batch outside no_sync() (DDP all-reduces every backward);
+    "divide_by_k": the shorter last group's losses divided by accumulation_steps."""
+    def wrong_clipped(ddp_model, optimizer, micro_batches, accumulation_steps, max_norm):
+        norms, count = [], len(micro_batches)
+        params = list(ddp_model.parameters())
         for i, (x, y) in enumerate(micro_batches):
             first = i - i % accumulation_steps
             group_size = min(accumulation_steps, count - first)
-            last = i == first + group_size - 1
-            synced = (i + 1) % accumulation_steps == 0 if rule == "no_tail" else last
             divisor = accumulation_steps if rule == "divide_by_k" else group_size
-            if synced:
-                (F.mse_loss(ddp_model(x), y) / divisor).backward()
-            else:
-                with ddp_model.no_sync():
-                    (F.mse_loss(ddp_model(x), y) / divisor).backward()
-            if last:
-                optimizer.step()
-                optimizer.zero_grad()
-    return wrong_accumulated
+            last = i == first + group_size - 1
+            if not last:
+                if rule == "forward_outside":
+                    loss = F.mse_loss(ddp_model(x), y) / divisor
+                    with ddp_model.no_sync():
+                        loss.backward()
+                else:
+                    with ddp_model.no_sync():
+                        (F.mse_loss(ddp_model(x), y) / divisor).backward()
+                continue
+            if rule == "before_last":
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if i > first else None
+            (F.mse_loss(ddp_model(x), y) / divisor).backward()
+            if rule == "before_last":
+                norm = norm if norm is not None else torch.nn.utils.clip_grad_norm_(params,
+                                                                                    max_norm)
+            elif rule == "clipped_norm":
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            elif rule != "after_step":
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            optimizer.step()
+            if rule == "after_step":
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            optimizer.zero_grad()
+            norms.append(float(norm))
+        return norms
+    return wrong_clipped
 
 
 @pytest.mark.parametrize("rule, message", [
-    ("no_tail", r"5 micro-batches per rank, accumulation_steps=2, 2 rank\(s\): expected 3 "
-                r"gradient all-reduce\(s\).*2 time\(s\): the last micro-batch of every group"),
-    ("divide_by_k", r"accumulation_steps=2, 2 rank\(s\): the gradients at optimizer step 2 are "
-                    r"not one process's"),
+    ("before_last", r"at optimizer step 0, rank 1's clip measured a gradient norm of .* the "
+                    r"ranks measured different gradients"),
+    ("after_step", r"the gradient optimizer step 0 applied has norm .*more than max_norm=0\.3"),
+    ("clipped_norm", r"at optimizer step 0 the norm returned is 0\.3; the norm of the gradient "
+                     r"the step applies, before clipping, is "),
+    ("forward_outside", r"expected 2 gradient all-reduce\(s\), one per optimizer step, but the "
+                        r"ranks all-reduced the gradients 6 time\(s\)"),
+    ("divide_by_k", r"accumulation_steps=2, max_norm=0\.25, 2 rank\(s\): at optimizer step 2 "
+                    r"the norm returned is"),
 ])
-def test_a_tempting_wrong_accumulation_is_caught(rule, message):
+def test_a_tempting_wrong_clipping_is_caught(rule, message):
     with pytest.raises(CheckFailed, match=message):
-        checks.check_train_accumulated(accumulation(rule))
+        checks.check_train_clipped(clipping(rule))
+
+
+def test_the_given_clipping_is_right_without_accumulation_and_the_hidden_check_knows():
+    """With accumulation_steps=1 nothing runs under no_sync(): the given loop clips the averaged
+    gradient. A hidden situation has that; the others catch the loop all the same."""
+    s = hidden.CLIPPING_SITUATIONS[3][1]
+    assert s["k"] == 1
+    checks.run_clipping(hidden.CLIPPED, given_train_clipped, 3, [s])
+    with pytest.raises(CheckFailed, match=r"the norm returned is"):
+        hidden.check_train_clipped(given_train_clipped)
 
 
 # --- through the grader's broker, and untrusted reports ------------------------------------------
@@ -249,30 +311,34 @@ def relayed():
         yield ranks
 
 
-def test_through_the_broker_the_solution_passes_and_the_given_loop_is_counted(host, relayed):
+def test_through_the_broker_the_solution_passes_and_a_forward_outside_no_sync_is_counted(
+        host, relayed):
     """One rank (one sandbox host to start, not two): DDP's reducer all-reduces at any world
-    size, so the broker's count tells the loops apart there too."""
-    s = checks.VISIBLE_ACCUMULATION[:1]
-    checks.run_accumulation(submitted(train_accumulated, host, relayed), 1, s)
+    size, so the broker's count tells the loops apart there too. The visible cases' truths are
+    for 2 ranks: at one rank the grader's judge decides."""
+    s = checks.VISIBLE_CLIPPING[:1]
+    checks.run_clipping(hidden.CLIPPED, submitted(train_clipped, host, relayed), 1, s)
     with pytest.raises(CheckFailed, match=r"all-reduced the gradients 6 time\(s\)"):
-        checks.run_accumulation(submitted(given_train_accumulated, host, relayed), 1, s)
+        checks.run_clipping(hidden.CLIPPED, submitted(clipping("forward_outside"), host,
+                                                      relayed), 1, s)
 
 
 def test_the_judges_read_reports_as_untrusted_data():
-    s = checks.accumulation_situation(2, 2)
-    reports = run_observation(checks.observe_accumulated, 2, pickle_by_value(train_accumulated),
+    s = checks.VISIBLE_CLIPPING[0]
+    reports = run_observation(checks.observe_clipped, 2, pickle_by_value(train_clipped),
                               (s,), TIMEOUT_S)
-    checks.judge_accumulated(reports, 2, s)  # as reported: right
+    checks.judge_clipped(reports, 2, s)  # as reported: right
     forged = [
         (["traffic", "collective_calls"], [["all_reduce", "lots"]], "malformed"),
-        (["gradients"], [{"0.weight": "a tensor"}], "gradients is malformed"),
+        (["gradients"], [{"0.weight": "a tensor"}] * 2, "gradients is malformed"),
         (["weights"], {"0.weight": torch.zeros(1)}, "as tensors"),
+        (["norms"], None, "expected a list of 2 Python float"),
         (["raised"], {"type": "ValueError", "message": "no"}, "raised ValueError: no"),
         ([], None, "lacks 'raised'"),
     ]
     for path, value, message in forged:
         with pytest.raises(CheckFailed, match=message):
-            checks.judge_accumulated([altered(reports[0], path, value), reports[1]], 2, s)
+            checks.judge_clipped([altered(reports[0], path, value), reports[1]], 2, s)
     situations = checks.VISIBLE_ACCURACY[:1]
     with pytest.raises(CheckFailed, match="calls instead of 1"):
         checks.judge_accuracy([{"calls": []}, {"calls": []}], 2, situations)

@@ -345,37 +345,45 @@ assert all(outcome.get("ok", True) for outcome in gpu_outcomes.values())
 #
 # | exercise (`exercises/09_debugging/`) | labs |
 # |---|---|
-# | `ddp_errors` | an unused `aux` head ("Expected to have finished reduction...", fixed without `find_unused_parameters`); a checkpoint saved by every rank through the wrapper and resumed without the optimizer; reentrant activation checkpointing with `find_unused_parameters=True` ("marked ready twice") |
-# | `collectives_that_hang` | a loss all-reduce inside `if rank == 0`; rank-0-only evaluation through the DDP wrapper (BatchNorm); uneven shards of an `IterableDataset`; one rank skipping a bad batch or stopping early alone; `all_gather` of a smaller last batch |
-# | `wrong_numbers` | padded evaluation counting samples twice; a missing `set_epoch`; gradient accumulation with `no_sync` in the wrong place |
-# | `replicas_that_disagree` | the rank read from `SLURM_PROCID` with a default of 0; a learnable module outside the wrapper; `broadcast_buffers=False` with BatchNorm |
+# | `ddp_errors` | "Expected to have finished reduction..." in a model with an auxiliary head; a checkpoint that does not resume; "marked ready twice" with activation checkpointing |
+# | `collectives_that_hang` | a job that logs its loss on rank 0; rank 0 evaluating after every epoch; shards of a stream; a bad batch on one rank; gathering the predictions of every rank |
+# | `wrong_numbers` | an evaluation accuracy slightly off; shuffled data that looks alike every epoch; gradient clipping with gradient accumulation |
+# | `replicas_that_disagree` | a job that never forms under `torchrun`; a learnable temperature in the loss; BatchNorm with `broadcast_buffers=False` |
 # | `read_the_logs` | real captured logs (a ChildFailedError, a collective timeout, a DETAIL mismatch, a killed rank, two ranks on one GPU): name the failing rank, the line and the collective |
+#
+# Each lab gives the symptom; finding the cause is part of the exercise, and the tests'
+# feedback explains it once your answer is checked.
 #
 # ## 8. Symptom → cause → command → fix
 #
-# Every row is reproduced in this repository: by a section above or by a lab's given code (its
-# tests check that it still fails this way).
+# Every row is reproduced in this repository by a section above (or a captured log); the labs'
+# own symptoms follow, with where to look first (their causes are the labs' to find).
 #
 # | symptom | cause | command that shows it | fix | reproduced by |
 # |---|---|---|---|---|
 # | no output, no error; GPUs idle or at 100 % | a collective one rank does not call | short `timeout=` in `init_process_group`; stacks (`faulthandler`, `py-spy dump`) of every rank | call collectives on every rank, in the same order | §2, §4; `collectives_that_hang` |
 # | `Timed out waiting ...ms for recv operation` (gloo) | the same, after the group's timeout | `monitored_barrier(wait_all_ranks=True)` names the missing rank | as above | §2 |
-# | exit −6, `Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?` (gloo) | a collective one rank makes alone meets another collective of a different size, or `all_gather` of unequal sizes | the exit code and the rank's stderr; stacks | same collectives everywhere; gather sizes, pad, cut | `collectives_that_hang` |
 # | `Detected mismatch between collectives on ranks` | ranks call different collectives or shapes | `TORCH_DISTRIBUTED_DEBUG=DETAIL` (plain collectives; not DDP on CPU) | same collective, same shapes everywhere | §2; `captured_logs/mismatch_detail.log` |
 # | hang at the end of an epoch | shards of unequal length: one rank runs more steps | `bottom_up.py` step 2 (shard lengths) | equal numbers of steps (agree on the minimum), or `Join` | §1; `collectives_that_hang` |
-# | hang after a bad batch or an early stop | one rank decides alone to skip or stop | stacks: one rank in the next step's all-reduce, one elsewhere | decide together: all-reduce a flag | `collectives_that_hang` |
-# | `Expected to have finished reduction in the prior iteration ...` | a parameter that got no gradient (an unused head) | the error's parameter list; `TORCH_DISTRIBUTED_DEBUG=INFO` | use it or remove/freeze it before wrapping | `ddp_errors` |
-# | `Expected to mark a variable ready only once` | reentrant activation checkpointing with `find_unused_parameters=True` | the error text | `use_reentrant=False` | `ddp_errors` |
-# | loss jumps after a resume; `module.` keys do not load | every rank saves the wrapper's `state_dict`; no optimizer state | `torch.load(...).keys()` | rank 0 saves `model.module.state_dict()` and the optimizer, then a barrier | `ddp_errors`; chapter 08 |
-# | accuracy slightly higher or lower than on one GPU | `DistributedSampler` pads the evaluation set | count the samples each rank saw | count only the real samples | `wrong_numbers` |
-# | the same order every epoch | no `sampler.set_epoch(epoch)` | print the first indices of two epochs | call `set_epoch` before each epoch | `wrong_numbers` |
-# | accumulation as slow as no accumulation, or different weights | `no_sync` around the wrong steps | count the all-reduces per optimizer step | `no_sync` around forward and backward of all but the last micro-batch | `wrong_numbers` |
-# | every process logs as rank 0; the group never forms | rank read from a variable the launcher does not set, default 0 | print `RANK`, `LOCAL_RANK`, `WORLD_SIZE` on every process | read the launcher's variables, fail when missing | `replicas_that_disagree` |
-# | replicas drift apart; evaluation differs per rank | a learnable module outside the wrapper; `broadcast_buffers=False` with BatchNorm | `bottom_up.py` step 3: compare parameters and buffers across ranks | wrap everything that learns; keep buffers broadcast | `replicas_that_disagree` |
 # | `exitcode : -9` | SIGKILL, most often the out-of-memory killer | `dmesg`, the scheduler's log | less memory per rank | §5; `captured_logs/sigkill.log` |
 # | `exitcode : -11`, no traceback | a native crash (e.g. DDP under DETAIL on CPU, torch 2.13) | `faulthandler` (`python -X faulthandler`) | avoid the trigger; report it | §3 |
 # | `Duplicate GPU detected` | two ranks on one GPU: no `set_device(LOCAL_RANK)` | `nvidia-smi`; `NCCL_DEBUG=WARN` | `torch.cuda.set_device(local_rank)` first | §6; `gpu_failures.py` |
 # | `Watchdog caught collective operation timeout` | a hang under NCCL | flight recorder (`TORCH_FR_BUFFER_SIZE`, `fr_trace`) | as for any hang | §6; `gpu_failures.py` (2 GPUs) |
+#
+# The labs' symptoms, and the first thing to measure:
+#
+# | symptom | command that shows it | lab |
+# |---|---|---|
+# | exit −6, `Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?` (gloo) | the exit code and the rank's stderr; stacks | `collectives_that_hang` |
+# | hang after a bad batch or an early stop | stacks: one rank in the next step's all-reduce, one elsewhere | `collectives_that_hang` |
+# | `Expected to have finished reduction in the prior iteration ...` | the error's parameter list; `TORCH_DISTRIBUTED_DEBUG=INFO` | `ddp_errors` |
+# | `Expected to mark a variable ready only once` | the error text | `ddp_errors` |
+# | loss jumps after a resume; `module.` keys do not load | `torch.load(...).keys()` | `ddp_errors`; chapter 08 |
+# | accuracy slightly higher or lower than on one GPU | count the samples each rank saw | `wrong_numbers` |
+# | the same order every epoch | print the first indices of two epochs | `wrong_numbers` |
+# | replicas agree, each step's gradient within `max_norm`, yet the weights differ from one process's | print the norm the clip measures on every rank, at every micro-batch | `wrong_numbers` |
+# | every process logs as rank 0; the group never forms | print `RANK`, `LOCAL_RANK`, `WORLD_SIZE` on every process | `replicas_that_disagree` |
+# | replicas drift apart; evaluation differs per rank | `bottom_up.py` step 3: compare parameters and buffers across ranks | `replicas_that_disagree` |
 #
 # ## Summary
 #

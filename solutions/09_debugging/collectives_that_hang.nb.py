@@ -69,23 +69,12 @@ def run_it(fn, world_size=2, timeout=3):
 # %% [markdown] nbgrader={"grade": false, "grade_id": "lab-log", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## Lab 1: the loss is averaged for the log on rank 0 only
 #
-# Only rank 0 writes the log, so its author put the whole logging block, all-reduce included,
-# under `if dist.get_rank() == 0`. Rank 0 now makes one collective more than the others, and
-# what happens depends on what the others call next:
-#
-# * **nothing** (the log step was the last step): rank 0 waits in `all_reduce` forever; the
-#   other ranks finish. Run (a) below: the deadline shows rank 0 blocked in `all_reduce`.
-# * **DDP's gradient all-reduce of their next step**: gloo pairs rank 0's one-float all-reduce
-#   with that all-reduce of the gradients (collectives are matched by their order, not by what
-#   they hold). The sizes differ, and gloo (torch 2.13) **aborts the process** with SIGABRT, exit
-#   code -6: `Received data size doesn't match expected size. Is there a distributed collective
-#   mismatch in your code?` (`gloo/transport/tcp/pair.cc`). No Python exception: no `try` can
-#   catch it. Run (b).
-# * a collective **of the same size**: nothing fails, and each side gets the other's data for its
-#   own purpose (lab 2 shows such a silent pairing).
-#
-# The rule: every rank makes the same collectives in the same order; only what is done with the
-# result (printing, writing) may depend on the rank.
+# Only rank 0 writes the log, so its author put the whole logging block under
+# `if dist.get_rank() == 0`. Run (a), where the last step is a log step, and (b), where training
+# goes on after a log step: the two runs fail in different ways. Read what each rank was doing
+# (the stacks at the deadline, the exit codes, the message on the rank's stderr) and work out
+# why, then write the fix. The test's feedback explains what happened once your answer is
+# checked.
 
 # %% nbgrader={"grade": false, "grade_id": "given-log", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the given code. Do not fix it here; write `train_and_log` below.
@@ -170,27 +159,10 @@ print("passed")
 # ## Lab 2: rank 0 evaluates through the DDP wrapper
 #
 # After each epoch rank 0 alone computes a validation loss, in eval mode and under
-# `torch.no_grad()`, by calling the DDP wrapper. The model has a BatchNorm layer, and its
-# running statistics are **buffers**. With `forward_sync_buffers=True` (the default; torch 2.13's
-# name for the deprecated `broadcast_buffers`) DDP's forward broadcasts the buffers from rank 0
-# before running the module
-# (`DistributedDataParallel._pre_forward` → `_sync_buffers`, torch/nn/parallel/distributed.py),
-# whenever `require_forward_param_sync` is set: at the first forward and after every forward
-# that ran with gradients enabled outside `no_sync()` (`_post_forward` sets it to
-# `torch.is_grad_enabled() and self.require_backward_grad_sync`). It does not look at `train()` /
-# `eval()` at all: eval mode does not stop the broadcast. A model
-# without buffers would make no collective in a `no_grad` forward, which is why this bug hides
-# in some models and not in others.
-#
-# So rank 0's first evaluation forward makes a broadcast the other ranks do not make. After the
-# first epochs it pairs with the broadcast of the others' next training forward (same buffers,
-# same sizes), and rank 0, whose `no_grad` forward cleared the flag, skips its own: the job goes
-# on, by luck. After the **last** epoch nobody joins: rank 0 waits in `_sync_buffers` forever.
-# Run it: the deadline shows rank 0's stack in DDP's `_pre_forward`.
-#
-# Two fixes: every rank evaluates (through the wrapper; everyone makes the broadcast), or rank 0
-# evaluates `ddp_model.module`, the plain module, which makes no collective (in eval mode, so
-# BatchNorm uses and keeps its running statistics, then back to train mode).
+# `torch.no_grad()`, by calling the DDP wrapper. The model has a BatchNorm layer. Run it: the
+# first epochs go by, and after the last one rank 0 never returns. Where is it waiting, and for
+# what? (Its stack at the deadline names the function; torch/nn/parallel/distributed.py holds
+# it.) Why did the earlier epochs not hang too?
 
 # %% nbgrader={"grade": false, "grade_id": "given-evaluate", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the given code. Do not fix it here; write `fit_and_evaluate` below.
@@ -283,25 +255,9 @@ print("passed")
 # ## Lab 3: shards of different lengths
 #
 # The data is a stream (an `IterableDataset`) sharded by rank, and shards are rarely the same
-# length. Each rank loops until its own shard runs out. The rank with the shorter shard finishes;
-# the longer one starts one more step, and its `loss.backward()` waits in DDP's gradient
-# all-reduce for ranks that will never join. Run it: rank 1 (7 samples, 3 batches of 3) returns,
-# rank 0 (10 samples, 4 batches) is blocked in `backward` at the deadline.
-#
-# The stream does not know its length (`len(shard)` raises), so the ranks must agree as they go:
-# before each step, every rank says whether it still has a batch, and an `all_reduce` with
-# `ReduceOp.MIN` tells every rank whether **all** of them do. The steps then stop together at
-# the shortest shard; the longer shards' extra batches are dropped (as `DistributedSampler` with
-# `drop_last=True` drops samples so that every rank has as many).
-#
-# Why not `torch.distributed.algorithms.Join`? `with Join([ddp_model]):` also ends the hang:
-# a rank that ran out "shadows" the others' all-reduces with zeros, and the longer shards are
-# trained on to their end. But those extra steps average fewer real gradients, still divided by
-# the full world size (`divide_by_initial_world_size=True`, the default of
-# `DistributedDataParallel.join`), so the weights are not those of the
-# contract below, and the tests reject it: they ask for the dropped-batches training, which is
-# the same math as every earlier step. Use Join when every sample must be seen and you accept
-# those smaller last steps.
+# length. Each rank loops until its own shard runs out. Run it: one rank returns, the other does
+# not. Which one waits, and in what? Note that the stream does not know its length
+# (`len(shard)` raises).
 
 # %% nbgrader={"grade": false, "grade_id": "given-shard", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the given code. Do not fix it here; write `train_on_shard` below.
@@ -383,16 +339,9 @@ print("passed")
 # ## Lab 4: one rank skips a bad batch, or stops early, alone
 #
 # Two decisions in this loop are taken by each rank on its own numbers: skip a step whose loss
-# is not finite (a corrupt batch gives NaN, an empty one too: the mean of no values), and stop
-# once the loss is low enough. A rank that skips makes no backward, so no gradient all-reduce:
-# its next step's all-reduce pairs with the others' all-reduce of the skipped step (same sizes:
-# no error, but the averaged gradients mix two different steps), and at the end the others wait
-# for an all-reduce that never comes. Run it: rank 1 has a NaN at step 2; rank 0 is blocked in
-# `backward` at the deadline. A rank that stops alone because its own loss is low leaves the
-# others the same way.
-#
-# Decide together: every rank computes its own flag (my loss is not finite; my loss), one
-# `all_reduce` combines them, and every rank acts on the same combined value.
+# is not finite (a corrupt batch, an empty one), and stop once the loss is low enough. Run it:
+# rank 1 has a NaN at step 2. Which rank is left waiting at the deadline, and in which
+# collective? What did the steps between the bad batch and the hang average?
 
 # %% nbgrader={"grade": false, "grade_id": "given-skip", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the given code. Do not fix it here; write `train_skipping_bad_batches` below.
@@ -483,16 +432,9 @@ print("passed")
 # ## Lab 5: `all_gather` of a smaller last batch
 #
 # Evaluation sharded without padding gives the ranks different numbers of predictions (10
-# samples on 4 ranks: 3, 3, 2, 2), and the last batch of an epoch is often smaller. `all_gather`
-# needs the same shape on every rank. On gloo (torch 2.13) a mismatch is not a Python error
-# you can catch: the rank whose tensor is smaller receives more bytes than it has room for, and
-# gloo aborts that process (SIGABRT, exit code -6) with `Received data size doesn't match
-# expected size`. Run it. (Output tensors of another size than the input raise an ordinary
-# `RuntimeError` instead: `ProcessGroupGloo::allgather: invalid tensor size at index 0`.)
-#
-# The fix: gather the sizes first (one element per rank), pad every tensor to the largest, gather,
-# and cut each rank's padding off. (`dist.all_gather_object` does the same for any picklable
-# object, through pickling: fine for small results, slow for large tensors.)
+# samples on 4 ranks: 3, 3, 2, 2), and the last batch of an epoch is often smaller. Run it, and
+# read the exit code and the message on the failing rank's stderr: no Python exception is
+# raised.
 
 # %% nbgrader={"grade": false, "grade_id": "given-gather", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the given code. Do not fix it here; write `gather_predictions` below.

@@ -98,39 +98,12 @@ for rank, seen in enumerate(run_ranks(run_unused, 2, given_train_with_aux, timeo
 print(seen["error"])
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "read-unused-head", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# **What happened.** DDP's reducer waits, in every backward, for a gradient of *every* parameter
-# it wraps before it all-reduces the bucket that holds it. The aux head got none, so the bucket
-# was never all-reduced: step 1's `optimizer.step()` used each rank's **own** gradients (no
-# all-reduce at all, and the replicas already differ, see the weight sums), and the error comes
-# only at the **next** forward, the second iteration: "Expected to have finished reduction in the
-# prior iteration before starting a new one", naming the parameter indices that got no gradient
-# (4 and 5: `aux.weight`, `aux.bias`; `TORCH_DISTRIBUTED_DEBUG=INFO` names them). Had the aux head
-# been used on step 1 and skipped on step 2, the error would come at the third iteration.
-#
-# **The fixes.** The error suggests `find_unused_parameters=True`, which works, at a price on every
-# step: DDP traverses the autograd graph after each forward to find the unused parameters and
-# all-reduces a map of which parameters each rank used (`Reducer::all_reduce_local_used_map` in
-# torch/csrc/distributed/c10d/reducer.cpp), 4 bytes per parameter tensor per step. This lab asks
-# for a fix without it (the test counts what the ranks all-reduce):
-#
-# * **Give DDP nothing to wait for**: freeze the head before wrapping
-#   (`model.aux.requires_grad_(False)`: DDP waits only for parameters that require a gradient,
-#   and still broadcasts the frozen ones from rank 0 when it wraps). Right when the head is not
-#   trained in this run. Wrapping only the parts the loss uses (`DDP(nn.Sequential(backbone,
-#   tanh, head))`) also stops the error, but DDP then never broadcasts the aux head: every rank
-#   keeps its own initial aux weights, and the test's ranks, which start from different
-#   weights, end with replicas that differ.
-# * **Give it a part in every loss**: `loss + 0 * aux.sum()` on the steps without aux labels. Its
-#   gradient is then zero, which plain SGD (no momentum, no weight decay) turns into no change at
-#   all: SGD skips a parameter whose `.grad` is `None` and subtracts `lr * 0` from one whose
-#   gradient is zero (torch/optim/sgd.py, `_init_group` and `_single_tensor_sgd`). With weight
-#   decay or momentum a zero gradient still moves the weights, so the trick changes the result
-#   there. It costs the head's forward, backward and gradient all-reduce on every step, and it is
-#   the fix that still works when the head **is** trained on some steps.
-# * **`static_graph=True`** tells DDP that the same parameters are used on every iteration: it
-#   records the unused ones on the first iteration (all-reducing the map once) and marks them
-#   ready itself afterwards. Right when the head is never used; when it is used on some steps
-#   only, DDP raises ("Your training graph has changed in this iteration...").
+# **Read the run before you fix it.** Which iteration raised, and which parameters does the
+# error name (by index; `TORCH_DISTRIBUTED_DEBUG=INFO` names them)? What did step 1 do: how many
+# gradient all-reduces were there before the error, and do the ranks' weights still agree? Then
+# write `train_with_aux` without `find_unused_parameters=True` (its docstring is the contract).
+# The test's feedback explains what happened, and the fixes that work, once your answer is
+# checked.
 
 # %% nbgrader={"grade": false, "grade_id": "train_with_aux", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def train_with_aux(model: nn.Module, batches: list, lr: float) -> None:
@@ -232,21 +205,11 @@ print("into the plain model:", plain)
 print(f"resumed through the wrapper, 3 steps later: {gap:.3g} from the uninterrupted weights")
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "read-checkpoint", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# **What happened.** Three mistakes, two of which show:
-#
-# * The wrapper's `state_dict()` names every tensor `module.<name>`, so the plain model of the new
-#   job refuses it: "Error(s) in loading state_dict ... Missing key(s) ... Unexpected key(s)
-#   ... module.inp.weight". Save `ddp_model.module.state_dict()`.
-# * Only the weights were saved: the resumed Adam starts with no moments and step count 0, so
-#   its first steps are far larger than the uninterrupted run's (the loss jumps), and the runs
-#   part (the gap above). Save and restore `optimizer.state_dict()` too, on every rank (DDP
-#   broadcasts the weights when it wraps, never the optimizer).
-# * Every rank writes the same file. Replicas are identical, so this is one file written N times,
-#   at once: on a shared filesystem the writes race, and a reader can meet a half-written file.
-#   Rank 0 writes, then every rank waits (`dist.barrier()`) so that no rank goes on (or resumes)
-#   before the file is complete. One file per rank (`checkpoint-{rank}.pt`) avoids the race but
-#   is not accepted here either: N copies of the same bytes, N times the I/O, and a job resumed
-#   on another number of ranks has no file for its new ranks.
+# **Read the run before you fix it.** What does the new job's `resume` raise, and what do the
+# file's keys say? Once the model loads, compare the loss of the resumed run with the
+# uninterrupted one over the first steps after the resume. And look at who wrote the file. There
+# is more than one mistake, and the test checks each (the docstrings are the contract); its
+# feedback explains them once your answer is checked.
 
 # %% nbgrader={"grade": false, "grade_id": "save_checkpoint", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def save_checkpoint(ddp_model: DDP, optimizer: torch.optim.Optimizer, path: str) -> None:
@@ -345,29 +308,10 @@ message = run_ranks(run_tower, 2, given_train_tower, 1, timeout=30)[0]
 print(message[:200], "...\n...", message.splitlines()[-1])
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "read-reentrant", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# **What happened.** On the first backward: "Expected to mark a variable ready only once ...
-# Parameter at index 3 with name block.0.bias has been marked as ready twice". No parameter is
-# shared and the block runs once: the combination of the two flags is enough. Reentrant
-# checkpointing (`use_reentrant=True`) runs the block under `no_grad` in the forward and
-# recomputes it in a backward of its own; the block's parameters are not in the graph that
-# `find_unused_parameters=True` traverses after the forward, so DDP takes them for unused and
-# marks them ready at once, and then the inner backward's gradient hooks mark them ready again.
-# (The same error, without `find_unused_parameters`, comes from a reentrant-checkpointed block
-# applied twice in one forward: the hidden tests have one.)
-#
-# **The fixes**, each shown to pass these tests:
-#
-# * `use_reentrant=False`: the non-reentrant implementation records the recomputation in the
-#   same autograd graph (saved-tensor hooks), so DDP sees the block's parameters used once. The
-#   PyTorch docs recommend it (torch.utils.checkpoint.checkpoint); keep
-#   `find_unused_parameters=True` for the pooler.
-# * `static_graph=True` in place of `find_unused_parameters=True`: DDP learns on the first
-#   iteration which parameters are used and how often their hooks fire, and marks them
-#   accordingly, so reentrant checkpointing and the unused pooler both work, as long as the
-#   graph is the same on every iteration.
-# * Dropping `find_unused_parameters` alone is no fix: the pooler's missing gradient then raises
-#   lab 1's error on the second iteration; and dropping the checkpointing gives back the memory
-#   it saved (the test counts the block's recomputations).
+# **Read the run before you fix it.** Which backward raises, which parameter does the error name,
+# and how often does the block run? Neither flag alone is the problem. Fix it without giving up
+# the checkpointing (the test counts the block's recomputations); the test's feedback explains
+# what happened, and the fixes that work, once your answer is checked.
 
 # %% nbgrader={"grade": false, "grade_id": "train_tower", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def train_tower(model: nn.Module, batches: list, lr: float) -> None:

@@ -71,19 +71,10 @@ setup_notebook("replicas_that_disagree")
 # The job's first function was written for SLURM, where `srun` starts one task per process and
 # sets `SLURM_PROCID` (the global rank), `SLURM_LOCALID` (the rank on its machine) and
 # `SLURM_NTASKS`. When the job moved to `torchrun`, someone added `WORLD_SIZE`, and the defaults
-# "make it work when run by hand". But torchrun sets `RANK`, `LOCAL_RANK` and `WORLD_SIZE`, and
-# no `SLURM_*` at all: `os.environ.get("SLURM_PROCID", 0)` gives 0 in **every** process.
-#
-# Two processes that both claim rank 0 of 2 cannot form a group: each writes its address as rank
-# 0's and waits for rank 1's, which nobody writes. With the default timeout (30 minutes for
-# gloo) the job just hangs; with a short one every rank fails with the store's timeout: the
-# `file://` store below says `RuntimeError: Wait timeout`; under `torchrun` (its agent's TCP
-# store, `env://`) every process says `DistStoreError: wait timeout after 1000ms, keys:
-# /default_pg/0//cpu//0/1` for a one-second timeout: the key of rank 1, who never came. Worse
-# is when the world size is read the same way (`SLURM_NTASKS` with a default of 1): then every
-# process forms a group **of its own**, as rank 0 of 1, nothing fails, every all-reduce returns
-# the process's own value, and N processes train N separate models, all logging and saving as
-# rank 0.
+# "make it work when run by hand". Run it as torchrun would start it: the group never forms, and
+# with the short timeout below every process fails. What does each process believe it is, and
+# which key is the store waiting for? (And what would happen if the world size were read the
+# same way?)
 
 # %% nbgrader={"grade": false, "grade_id": "given-join", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the job's setup as it was found. Do not fix it here; write `join_the_job` below.
@@ -183,11 +174,8 @@ print("passed")
 #
 # The model is wrapped in DDP, and the loss is `TemperedLoss` (from the setup cell): the
 # cross-entropy of `logits / exp(log_temperature)`, where `log_temperature` is an
-# `nn.Parameter`. It is created after wrapping and handed to the optimizer, so it learns; but
-# DDP only averages the gradients of the parameters of the module it wraps. Each rank's
-# temperature follows its own rank's data, and the ranks hold different models after the first
-# step. The model's own weights still agree (DDP averages their gradients), so a check of the
-# wrapped model alone sees nothing wrong: compare everything that learns.
+# `nn.Parameter`, created after wrapping and handed to the optimizer. Run it and compare what the
+# ranks hold after training: the wrapped model, and everything else that learns.
 
 # %% nbgrader={"grade": false, "grade_id": "given-temperature", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the loop as it was found. Do not fix it here; write `train_with_temperature` below.
@@ -223,16 +211,12 @@ show_temperature(run_ranks(watch_temperature, 2, given_train_with_temperature, t
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-temperature", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ### `train_with_temperature(model, criterion, batches, lr) -> None` (3 points)
 #
-# Make DDP own everything that learns. Two tempting fixes do not work: seeding before creating
-# the temperature (it already starts equal: the problem is its gradients, not its start), and
-# averaging the parameters once at the end (the ranks then agree, but every step before used a
-# temperature of its own, so they agree on the wrong weights).
-#
 # **How it is tested.** 2 ranks, 4 steps, each rank's model initialised from its own seed and its
 # own batches. Afterwards the model's and the criterion's parameters must be bit-identical on
 # every rank and equal (within `1e-5 + 1e-5 * |w|`) to ONE process training rank 0's initial model
 # and temperature on the global batch of each step (every rank's batch, concatenated). When wrong,
-# the message names the known mistake that reproduces your weights.
+# the message names the known mistake that reproduces your weights; once right, it explains what
+# the given code did.
 
 # %% nbgrader={"grade": false, "grade_id": "train-with-temperature", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def train_with_temperature(model: nn.Module, criterion: nn.Module, batches: list,
@@ -291,31 +275,11 @@ print("passed")
 #
 # BatchNorm keeps buffers, not parameters: `running_mean`, `running_var`, `num_batches_tracked`.
 # Training forwards update them from each rank's own batch, and evaluation normalises with them.
-# By default DDP copies rank 0's buffers to every rank at the start of a forward through the
-# wrapper whenever the previous forward ran with gradients on and outside `no_sync()` (and at the
-# first forward after wrapping): `DistributedDataParallel._pre_forward` calls `_sync_buffers`,
-# which broadcasts from rank 0, when `will_sync_module_buffers()` holds, and `_post_forward`
-# re-arms it only after such a forward (chapter 07 counts the broadcasts). The switch is `forward_sync_buffers` in torch 2.13; its older name
-# `broadcast_buffers`, the one in the cell below, is deprecated there and warns (the
-# `FutureWarning` the cell prints; `broadcast_buffers=False` also skips the sync of the
-# buffers when the wrapper is built, `forward_sync_buffers=False` does not). Turned off, the
-# ranks' statistics differ from the first step on, and the same weights evaluate differently on
-# every rank.
-#
-# Two things that are easy to get wrong:
-#
-# * Even with the sync on, the buffers are broadcast **before** a forward, so after the last
-#   training step every rank still holds the statistics its own last batch updated. They agree
-#   again only after the next forward through the wrapper (the first evaluation forward through
-#   `ddp_model`, which broadcasts rank 0's: `will_sync_module_buffers` is true after a forward
-#   with gradients): evaluating `ddp_model.module` (or the plain model) skips that, and the ranks
-#   disagree.
-# * `nn.SyncBatchNorm` (batch statistics over all ranks) does not run here: on the CPU, DDP's
-#   constructor refuses it with `ValueError: SyncBatchNorm layers only work with GPU modules`,
-#   and its forward in training raises `SyncBatchNorm expected input tensor to be on GPU or XPU
-#   or ...` (torch/nn/modules/batchnorm.py, `SyncBatchNorm.forward`). It is a fix on GPUs with
-#   NCCL, and it changes the training itself (normalisation with the global batch's
-#   statistics); this lab keeps DDP's default rules.
+# The given job turns DDP's `broadcast_buffers` off (the cell prints torch 2.13's
+# `FutureWarning` about that name). Run it: the same weights evaluate differently on every rank.
+# Which of the model's tensors differ between the ranks, and from which step on? Read
+# `DistributedDataParallel._pre_forward` and `_post_forward` (torch/nn/parallel/distributed.py)
+# to find out when DDP would have made them agree: the fix depends on it.
 
 # %% nbgrader={"grade": false, "grade_id": "given-batchnorm", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the loop as it was found. Do not fix it here; write `train_and_evaluate` below.

@@ -17,25 +17,27 @@
 #
 # The worst bugs of a distributed job do not crash it. The three pieces of code below run to the
 # end on every rank, raise nothing, and produce numbers that look plausible: an evaluation
-# accuracy that is a little off, training that sees its data in the same order every epoch, and
-# gradient accumulation that communicates three times more than it should (or, once half fixed,
-# lets the replicas drift apart). Each lab shows the symptom in real ranks; you find the cause and
-# write the fixed function. Its docstring is the contract.
+# accuracy that is a little off, training whose data looks shuffled, and gradient clipping that
+# keeps every gradient in bounds. Each lab shows the symptom in real ranks; finding the cause is
+# yours (the test's message explains it once your answer is checked), and so is the fixed
+# function. Its docstring is the contract.
 #
 # **How your code runs.** The tests call your function on every rank of a real gloo process group
 # (as `run_ranks(fn, world_size)` does): use the default group, never `init_process_group` in
 # this notebook. They compare what your ranks did (which samples each forward got, the
-# gradients at every `optimizer.step()`, the all-reduces DDP launched, the final weights) with a
-# reference the test computes itself in one process.
+# gradients at every `optimizer.step()`, the all-reduces DDP launched, the final weights, what
+# your function returned) with what one process computes on the same data.
 #
 # **Self-check** from the repository root: `pytest exercises/09_debugging/wrong_numbers.ipynb`.
 # Hidden tests (3 and 4 ranks, data sets one sample short of and one past a multiple of the
-# world size, more epochs, `accumulation_steps` of 1 and of 3 with a shorter last group, SGD with
-# momentum) run when the notebook is graded. Keep the names and signatures exactly as given, and
+# world size, more epochs, `accumulation_steps` of 1 and of 3 with a shorter last group, a
+# `max_norm` no step reaches, SGD with momentum) run when the notebook is graded. Keep the names and signatures exactly as given, and
 # do not reassign library functions (the tests check for it).
 
 # %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Setup - locked. Run it first, and keep it the FIRST code cell: the tests rely on it.
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
@@ -53,13 +55,8 @@ setup_notebook("wrong_numbers")
 #
 # `given_accuracy` evaluates a classifier on a data set, each rank on its share, and all-reduces
 # the counts. It looks like textbook code. Run it on 2 ranks and 7 samples, and compare with one
-# process evaluating all 7.
-#
-# Where to look: how many samples did the two ranks evaluate together? Read
-# `DistributedSampler.__iter__` (torch/utils/data/distributed.py): with `drop_last=False` (the
-# default) it *adds extra samples to make the data evenly divisible*, repeating the first ones,
-# so that every rank gets `ceil(n / world_size)` samples. `len(sampler)` on one rank, times the
-# world size, says how many.
+# process evaluating all 7: the two numbers differ. Find out why before you write the fix (print
+# what each rank evaluated; torch/utils/data/distributed.py is short).
 
 # %% nbgrader={"grade": false, "grade_id": "given-accuracy", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the evaluation as it was handed in. Do not fix it here; write `accuracy` below.
@@ -81,26 +78,17 @@ def given_accuracy(model, dataset, batch_size):
 # Run it: 2 ranks, 7 samples. Then one process on the same 7 samples.
 print("2 ranks return:", run_ranks(checks.watch_accuracy, 2, given_accuracy, timeout=30,
                                    backend="gloo"))
-print("one process:   ", checks.one_process_accuracy(7, 0))
-share = len(DistributedSampler(range(7), num_replicas=2, rank=0, shuffle=False))
-print("samples the 2 ranks evaluate together:", 2 * share, "of 7")
+print("one process:   ", checks.one_process_accuracy())
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-accuracy", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ### `accuracy(model, dataset, batch_size) -> float` (2 points)
-#
-# Count every sample exactly once. Several fixes are right: give each rank the samples
-# `range(rank, n, world_size)` (uneven shares are fine here: the evaluation runs no DDP
-# collective inside the forward), or keep the sampler and leave out the padded positions
-# (position `rank + i * world_size` of the padded list is padding when it is `>= n`), or gather
-# every prediction and keep the first `n`. `drop_last=True` is not one: it never evaluates the
-# last samples.
 #
 # **How it is tested.** 2 ranks, 7 and 9 samples. Every rank gets the same model and the whole
 # data set; a hook records the rows of every forward of the model. The test then requires that
 # no rank evaluated more than `ceil(n / world_size)` samples, that together the ranks evaluated
 # every sample, and that every rank returned the exact accuracy (`correct / n`, to 1e-7: a wrong
 # count is at least `1 / n` away). When the number is one of the usual miscounts, the message
-# says which.
+# says which, and where the given code goes wrong.
 
 # %% nbgrader={"grade": false, "grade_id": "accuracy", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def accuracy(model, dataset, batch_size: int) -> float:
@@ -144,13 +132,7 @@ print("passed")
 #
 # `given_train_epochs` trains a DDP model for a few epochs on a shuffled, sharded data set. The
 # loss goes down; nothing looks wrong. Run it on 2 ranks for 3 epochs and read which samples each
-# rank's model saw in each epoch.
-#
-# Where to look: `DistributedSampler.__iter__` seeds its shuffle with `seed + self.epoch`, and
-# `self.epoch` changes only when you call `set_epoch` (its docstring: "calling the set_epoch
-# method at the beginning of each epoch before creating the DataLoader iterator is necessary to
-# make shuffling work properly across multiple epochs. Otherwise, the same ordering will be
-# always used").
+# rank's model saw in each epoch. Then find out why, in torch/utils/data/distributed.py.
 
 # %% nbgrader={"grade": false, "grade_id": "given-train-epochs", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the training loop as it was handed in. Do not fix it here; write `train_epochs` below.
@@ -219,116 +201,123 @@ integrity.assert_untampered()
 checks.check_train_epochs(train_epochs)
 print("passed")
 
-# %% [markdown] nbgrader={"grade": false, "grade_id": "lab-train-accumulated", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Lab 9: gradient accumulation that syncs too often, or at the wrong time
+# %% [markdown] nbgrader={"grade": false, "grade_id": "lab-train-clipped", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Lab 9: gradient clipping with gradient accumulation
 #
-# `given_train_accumulated` accumulates gradients over groups of `accumulation_steps`
-# micro-batches and takes one optimizer step per group (the last group may be shorter). Its
-# author meant to all-reduce once per group and to skip DDP's all-reduce for the other
-# micro-batches with `no_sync()`. Run it and count: the instrument counts the gradient
-# all-reduces DDP launched (ddpcourse.grading.comm_audit sees DDP's reducer too) and compares the
-# weights across ranks and with one process.
-#
-# Two bugs hide here, and the first hides the second:
-#
-# * Read `DistributedDataParallel.no_sync` and `_post_forward` (torch/nn/parallel/distributed.py):
-#   `no_sync()` only sets `require_backward_grad_sync = False`, and it is the *forward* that reads
-#   it (`prepare_for_backward`). The docstring warns: "The forward pass should be included inside
-#   the context manager, or else gradients will still be synchronized."
-# * Once the forward moves inside `no_sync()` too, the all-reduce happens where the code says it
-#   should: on the micro-batch with `i % accumulation_steps == 0`. Is that the right one? The
-#   gradients DDP averages are those accumulated *so far*; whatever is added after stays local.
-#   (Try it in a copy: the count drops to 2, and the replicas drift apart.)
+# `given_train_clipped` accumulates gradients over groups of `accumulation_steps` micro-batches
+# and takes one optimizer step per group (the last group may be shorter). Its author got the
+# communication right: only the group's last micro-batch runs outside `no_sync()`, forward and
+# backward, so DDP all-reduces once per step. Training is meant to clip the gradient's total norm
+# to `max_norm` (`torch.nn.utils.clip_grad_norm_`), and the loop reports the norm the clip
+# measured at every step. Run it: every rank agrees with every other, each step's gradient is
+# within `max_norm`, and yet the weights are not those of one process training on the same
+# data with the same clipping (whose numbers are printed beside them). Where does the
+# difference come from?
 
-# %% nbgrader={"grade": false, "grade_id": "given-train-accumulated", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# Locked: the accumulation loop as it was handed in. Do not fix it here; write
-# `train_accumulated` below.
-def given_train_accumulated(ddp_model, optimizer, micro_batches, accumulation_steps):
+# %% nbgrader={"grade": false, "grade_id": "given-train-clipped", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# Locked: the training loop as it was handed in. Do not fix it here; write `train_clipped` below.
+def given_train_clipped(ddp_model, optimizer, micro_batches, accumulation_steps, max_norm):
+    norms = []
     count = len(micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         first = i - i % accumulation_steps  # this group's first micro-batch
         group_size = min(accumulation_steps, count - first)
-        loss = F.mse_loss(ddp_model(x), y) / group_size
-        if i % accumulation_steps == 0:  # once per group: let DDP all-reduce
-            loss.backward()
-        else:  # the others: accumulate locally, no communication
-            with ddp_model.no_sync():
-                loss.backward()
-        if i == first + group_size - 1:  # the group's last micro-batch: step
+        last = i == first + group_size - 1
+        sync = contextlib.nullcontext() if last else ddp_model.no_sync()
+        with sync:  # all-reduce only in the backward of the group's last micro-batch
+            (F.mse_loss(ddp_model(x), y) / group_size).backward()
+            norm = torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)
+        if last:
             optimizer.step()
             optimizer.zero_grad()
+            norms.append(norm.item())
+    return norms
 
 
 # %%
-# Run it: 2 ranks, 6 micro-batches in groups of 3.
-reports = run_ranks(checks.watch_accumulation, 2, given_train_accumulated, timeout=30,
-                    backend="gloo")
+# Run it: 2 ranks, 6 micro-batches in groups of 3, max_norm=0.3.
+reports = run_ranks(checks.watch_clipping, 2, given_train_clipped, timeout=30, backend="gloo")
 for rank, report in enumerate(reports):
     print(f"rank {rank}: {report}")
 
-# %% [markdown] nbgrader={"grade": false, "grade_id": "task-train-accumulated", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ### `train_accumulated(ddp_model, optimizer, micro_batches, accumulation_steps) -> None` (3 points)
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task-train-clipped", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ### `train_clipped(ddp_model, optimizer, micro_batches, accumulation_steps, max_norm) -> list[float]` (3 points)
 #
-# **How it is tested.** 2 ranks: 6 micro-batches in groups of 3, and 5 in groups of 2 (a last
-# group of 1). Each rank's model starts from a seed of its own; the test counts the gradient
-# all-reduces (the all-reduced bytes, in units of one full gradient: the count a grader's broker
-# sees, which your code cannot bypass), records the gradients at every `optimizer.step()` and the
-# weights at the end. It requires one optimizer step per group, exactly as many gradient
-# all-reduces, gradients at every step bit-identical on all ranks (a step whose gradients still
-# differ had no all-reduce after its group's last backward), and gradients and final weights
-# equal to one process taking the same steps on every rank's micro-batches of each group, to
-# `1e-5 + 1e-5 * |w|`.
+# Part of the answer is the diagnosis: the list your function returns holds, for every optimizer
+# step, the norm that step's gradient had before it was clipped. The given loop returns a number
+# there too; it is not that one.
+#
+# **How it is tested.** 2 ranks: 6 micro-batches in groups of 3 with `max_norm=0.3`, and 5 in
+# groups of 2 (a last group of 1) with `max_norm=0.25`. Each rank's model starts from a seed of
+# its own; the test counts the gradient all-reduces (the all-reduced bytes, in units of one full
+# gradient: the count a grader's broker sees, which your code cannot bypass), records the
+# gradients at every `optimizer.step()` and the weights at the end. It requires one optimizer step
+# per group, exactly as many gradient all-reduces, gradients at every step bit-identical on all
+# ranks and of norm at most `max_norm`, the norms you return alike on every rank and equal (to
+# `1e-5 + 1e-5 * |norm|`) to those of one process taking the same steps on every rank's
+# micro-batches of each group, then that process's clipped gradients and final weights, to
+# `1e-5 + 1e-5 * |w|` (written out for these two cases as each tensor's sum and norm).
 
-# %% nbgrader={"grade": false, "grade_id": "train-accumulated", "locked": false, "schema_version": 3, "solution": true, "task": false}
-def train_accumulated(ddp_model, optimizer, micro_batches: list, accumulation_steps: int) -> None:
-    """Gradient accumulation with DDP: one optimizer step and ONE gradient all-reduce per group
-    of `accumulation_steps` micro-batches.
+# %% nbgrader={"grade": false, "grade_id": "train-clipped", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def train_clipped(ddp_model, optimizer, micro_batches: list, accumulation_steps: int,
+                  max_norm: float) -> list:
+    """Gradient accumulation with DDP and gradient clipping: one optimizer step and ONE gradient
+    all-reduce per group of `accumulation_steps` micro-batches, each step's gradient clipped.
 
     Called on every rank of the default process group (gloo, CPU); `ddp_model` is a
     DistributedDataParallel model, `optimizer` its optimizer, `micro_batches` this rank's
-    `(x, y)` pairs (the same count and sizes on every rank), `accumulation_steps >= 1`.
+    `(x, y)` pairs (the same count and sizes on every rank), `accumulation_steps >= 1`,
+    `max_norm > 0`.
 
     * The micro-batches form groups of `accumulation_steps`, in order; the last group holds
       what is left (it may be shorter).
     * Each micro-batch: the loss `F.mse_loss(ddp_model(x), y)` divided by the size of its group,
-      then `backward()`; after the group's last one, `optimizer.step()`, then
-      `optimizer.zero_grad()`.
-    * Exactly one gradient all-reduce per group, after the group's last backward: every other
-      micro-batch runs its forward AND its backward inside `ddp_model.no_sync()`.
+      then `backward()`. Exactly one gradient all-reduce per group: every micro-batch but the
+      group's last runs its forward AND its backward inside `ddp_model.no_sync()`.
+    * Once per group, before `optimizer.step()` (then `optimizer.zero_grad()`): the gradient the
+      step applies is clipped to total 2-norm `max_norm` with
+      `torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm)`. The step must equal
+      one process's step on the group's micro-batches of every rank, clipped the same way.
+    * Returns a list with one Python float per optimizer step, the same on every rank: the
+      total norm of the gradient that step applies, before clipping.
     """
     ### BEGIN SOLUTION
+    norms = []
     count = len(micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         first = i - i % accumulation_steps
         group_size = min(accumulation_steps, count - first)
-        if i == first + group_size - 1:
-            # The group's last micro-batch: forward and backward outside no_sync, so DDP
-            # all-reduces the gradients accumulated over the whole group, then step.
-            (F.mse_loss(ddp_model(x), y) / group_size).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        else:
-            # The forward too: DDP decides in the forward whether the backward all-reduces.
+        if i < first + group_size - 1:
+            # Local accumulation: inside no_sync() each rank's .grad is its own partial sum,
+            # so nothing here may look at the gradient's norm.
             with ddp_model.no_sync():
                 (F.mse_loss(ddp_model(x), y) / group_size).backward()
+            continue
+        # The group's last micro-batch: DDP all-reduces the accumulated gradients in this
+        # backward, so afterwards every rank holds the group's averaged gradient. Clip that.
+        (F.mse_loss(ddp_model(x), y) / group_size).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "test-train-accumulated", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-# Test (3 points): 2 ranks, groups of 3 and of 2 with a shorter last group: one gradient all-reduce per optimizer step, equal gradients at every step, one process's weights.
+# %% nbgrader={"grade": true, "grade_id": "test-train-clipped", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# Test (3 points): 2 ranks, groups of 3 and of 2 with a shorter last group: one gradient all-reduce per step, the averaged gradient's norm, one process's clipped steps.
 from ddpcourse.grading import integrity
 from ddpcourse.grading.exercises import wrong_numbers as checks
 integrity.assert_untampered()
-checks.check_train_accumulated(train_accumulated)
+checks.check_train_clipped(train_clipped)
 print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-wrong-numbers-hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # Hidden tests: they run when your notebook is graded.
-# (3 points) 3 and 4 ranks; data sets one sample short of and one past a multiple of the world size; more epochs; accumulation_steps 1 and 3 with a shorter last group; momentum.
+# (3 points) 3 and 4 ranks; data sets one sample short of and one past a multiple of the world size; more epochs; accumulation_steps 1 and 3 with a shorter last group; a max_norm no step reaches; momentum.
 from ddpcourse.grading import integrity
 integrity.assert_untampered()
 ### BEGIN HIDDEN TESTS
 from autograder.hidden import wrong_numbers as hidden
-hidden.check_all(accuracy, train_epochs, train_accumulated)
+hidden.check_all(accuracy, train_epochs, train_clipped)
 print("passed")
 ### END HIDDEN TESTS

@@ -9,11 +9,16 @@ exercises/09_debugging/collectives_that_hang.ipynb). Each runs on every rank of 
 Every lab is one :class:`~ddpcourse.grading.checks.Case`. In the ranks, ``observe`` builds the
 rank's model and data from the situation, calls the student's function and returns only data
 (what it returned or logged, the model's state afterwards). The judge, which never runs the
-student's code, simulates the ranks in one process (each rank's own batch, gradients averaged
-as DDP averages them, rank 0's buffers broadcast before a forward as DDP does) and compares:
-the values asked for exactly (steps, logged values, gathered rows) or within ``ATOL + RTOL *
-|x|`` (float results of training: the ranks add in another order than one process), and
-bit-identical parameters on every rank. Every launch has a deadline of ``HANG_DEADLINE_S``
+student's code, compares it with the situation's truth: the values asked for exactly (steps,
+logged values, gathered rows) or within ``ATOL + RTOL * |x|`` (float results of training: the
+ranks add in another order than one process), and bit-identical parameters on every rank. This
+module ships to students and is importable where their code runs, so it computes no truth (no
+simulated DDP training, no expected gather): the visible cases' truths are written out
+(:data:`WRITTEN_OUT`; a model's tensors as their sum and norm), the hidden cases' are computed by
+autograder/hidden/collectives_that_hang.py on the grader's side, which simulates the ranks in one
+process (each rank's own batch, gradients averaged as DDP averages them, rank 0's buffers
+broadcast before a forward as DDP does) and is held to :data:`WRITTEN_OUT` by
+tests/test_grading_collectives_that_hang.py. Every launch has a deadline of ``HANG_DEADLINE_S``
 seconds (a right solution needs well under one): a hang fails with every rank's stack and a hint
 at the mismatched collective; a gloo abort fails with the lab's explanation.
 """
@@ -21,7 +26,7 @@ at the mismatched collective; a gloo abort fails with the lab's explanation.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -247,142 +252,43 @@ def observe_gather(rank, world_size, fn, situations) -> dict:
     return {"calls": calls}
 
 
-# --- the judge: simulated ranks, no student code ------------------------------------------------
+# --- the judge: the truth of a situation against what the ranks did ----------------------------
+#
+# This module computes no truth: no simulated DDP training, no expected gather. A judge gets
+# ``truth(world_size, situation)``: the visible cases' is written out below (WRITTEN_OUT), the
+# hidden cases' is computed by autograder/hidden/collectives_that_hang.py on the grader's side.
+
+Truth = Callable[[int, Any], dict]
 
 
-def _ddp_step(modules: list, batches: list, lr: float, sync_buffers: bool = False) -> list:
-    """One DDP step of every simulated rank: rank 0's buffers first (DDP's pre-forward
-    broadcast), each rank's forward and backward on its own batch, gradients averaged, plain
-    SGD. Returns each rank's loss (before the step)."""
-    with torch.no_grad():
-        if sync_buffers:
-            for module in modules[1:]:
-                for mine, rank0s in zip(module.buffers(), modules[0].buffers()):
-                    mine.copy_(rank0s)
-    losses = []
-    for module, (x, y) in zip(modules, batches):
-        module.zero_grad()
-        loss = F.mse_loss(module(x), y)
-        loss.backward()
-        losses.append(loss.item())
-    with torch.no_grad():
-        for params in zip(*(list(m.parameters()) for m in modules)):
-            mean = torch.stack([p.grad for p in params]).mean(0)
-            for p in params:
-                p.add_(mean, alpha=-lr)
-    return losses
+def digest(tensor: torch.Tensor) -> list[float]:
+    """How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64)."""
+    t = tensor.detach().double()
+    return [t.sum().item(), t.norm().item()]
 
 
-def _replicas(make, world_size: int, seed: int) -> list:
-    """Every simulated rank's module, all with rank 0's initial parameters (DDP's constructor
-    broadcasts them, buffers included)."""
-    rank0 = make(model_seed(seed, 0)).state_dict()
-    modules = []
-    for _ in range(world_size):
-        module = make(0)
-        module.load_state_dict(rank0)
-        modules.append(module)
-    return modules
+def _templates(module_maker) -> dict[str, torch.Tensor]:
+    """The names, shapes and dtypes a rank's report of the model's state must have."""
+    return _state(module_maker(0))
 
 
-def _one_thread(fn):
-    def wrapped(*args, **kwargs):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with torch.random.fork_rng(devices=[]), torch.enable_grad():
-                return fn(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
-    return wrapped
-
-
-@_one_thread
-def expected_log(world_size, situation) -> tuple[list, dict]:
-    """Lab 1: rank 0's log ``[[step, global mean loss], ...]`` and the final state."""
-    rows, steps, lr, log_every, seed = situation
-    modules = _replicas(make_linear, world_size, seed)
-    batches = [make_batches(seed, rank, steps, rows) for rank in range(world_size)]
-    logged = []
-    for step in range(1, steps + 1):
-        losses = _ddp_step(modules, [b[step - 1] for b in batches], lr)
-        if step % log_every == 0:
-            logged.append([step, sum(losses) / world_size])
-    return logged, _state(modules[0])
-
-
-@_one_thread
-def expected_evaluate(world_size, situation) -> tuple[list, list]:
-    """Lab 2: rank 0's validation losses (eval mode, rank 0's running statistics) after each
-    epoch, and every rank's final state. Only rank 0's buffers are judged: the others' last
-    forward updated their own running statistics after DDP's last broadcast, unless an
-    evaluation through the wrapper on every rank broadcast rank 0's once more."""
-    rows, steps, epochs, lr, seed = situation
-    modules = _replicas(make_bn_model, world_size, seed)
-    batches = [make_batches(seed, rank, steps, rows) for rank in range(world_size)]
-    x_eval, y_eval = make_batch(seed, 99, 0, 2 * rows)
-    history = []
-    for _ in range(epochs):
-        for step in range(steps):
-            _ddp_step(modules, [b[step] for b in batches], lr, sync_buffers=True)
-        modules[0].eval()
-        with torch.no_grad():
-            history.append(F.mse_loss(modules[0](x_eval), y_eval).item())
-        modules[0].train()
-    return history, [_state(m) for m in modules]
-
-
-@_one_thread
-def expected_shard(world_size, situation) -> tuple[int, dict]:
-    """Lab 3: the steps every rank can take (the fewest batches of any shard) and the state."""
-    lengths, batch_size, lr, seed = situation
-    batches = [shard_batches(seed, rank, lengths[rank], batch_size) for rank in range(world_size)]
-    steps = min(len(b) for b in batches)
-    modules = _replicas(make_linear, world_size, seed)
-    for step in range(steps):
-        _ddp_step(modules, [b[step] for b in batches], lr)
-    return steps, _state(modules[0])
-
-
-def _lab4_losses(modules, batches) -> list[float]:
-    with torch.no_grad():
-        return [F.mse_loss(m(x), y).item() for m, (x, y) in zip(modules, batches)]
-
-
-@_one_thread
-def expected_skip(world_size, situation) -> tuple[list, dict, float]:
-    """Lab 4: the steps applied, the state, and how close any step's global mean loss came to
-    ``stop_below`` (relative), so that a situation is never decided by rounding."""
-    rows, steps, lr, stop_below, bad, seed = situation
-    modules = _replicas(make_linear, world_size, seed)
-    batches = [lab4_batches(seed, rank, steps, rows, bad) for rank in range(world_size)]
-    applied, margin = [], math.inf
-    for step in range(1, steps + 1):
-        mine = [b[step - 1] for b in batches]
-        losses = _lab4_losses(modules, mine)
-        if not all(math.isfinite(v) for v in losses):
-            continue
-        _ddp_step(modules, mine, lr)
-        applied.append(step)
-        mean = sum(losses) / world_size
-        margin = min(margin, abs(mean - stop_below) / stop_below)
-        if mean < stop_below:
-            break
-    return applied, _state(modules[0]), margin
-
-
-def expected_gather(world_size, situation) -> torch.Tensor:
-    rows, kind, seed = situation
-    return torch.cat([predictions(seed, rank, rows[rank], kind) for rank in range(world_size)])
+def _difference(got: torch.Tensor, want: Any) -> tuple[float, bool]:
+    """How far ``got`` is from ``want`` (a tensor: element-wise ``ATOL + RTOL * |w|``; a
+    written-out :func:`digest`: within ``numel * ATOL + RTOL * sqrt(numel) * norm``, which bounds
+    what the element-wise tolerance allows) and whether that is within the tolerance."""
+    if isinstance(want, torch.Tensor):
+        diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+        return diff, torch.allclose(got.double(), want.double(), rtol=RTOL, atol=ATOL)
+    diff = max(abs(a - b) for a, b in zip(digest(got), want))
+    return diff, diff <= ATOL * got.numel() + RTOL * math.sqrt(got.numel()) * want[1]
 
 
 def _judge_state(state: dict, want: dict, what: str, hint: str, names=None) -> None:
     for name in names if names is not None else want:
-        if not torch.allclose(state[name], want[name], rtol=RTOL, atol=ATOL):
-            diff = (state[name].double() - want[name].double()).abs().max().item()
+        diff, close = _difference(state[name], want[name])
+        if not close:
             raise CheckFailed(f"{what}: the model's {name!r} is not what the ranks' training "
-                              f"gives (largest difference {diff:.3g}, allowed {ATOL:g} + "
-                              f"{RTOL:g} * |w|). {hint}")
+                              f"gives (largest difference {diff:.3g}). {hint}")
 
 
 def _judge_replicas(states: list, names, what: str) -> None:
@@ -409,16 +315,21 @@ def _parameter_names(state: dict, module_maker) -> list[str]:
     return [name for name, _ in module_maker(0).named_parameters() if name in state]
 
 
-def judge_log(observations, world_size, situations) -> None:
+def judge_log_against(truth: Truth, observations, world_size, situations) -> None:
+    """``truth``: ``{"logged": rank 0's [[step, mean loss], ...], "state": the model's}``."""
+    templates = _templates(make_linear)
+
     def judge_one(calls, world_size, situation):
         rows, steps, lr, log_every, seed = situation
         what = (f"{_ranks(world_size)}, {steps} steps of {rows} rows, logging every "
                 f"{log_every}")
-        logged, want = expected_log(world_size, situation)
+        known = truth(world_size, situation)
+        logged, want = known["logged"], known["state"]
         states = []
 
         def judge_rank(rank, call):
-            state = reported_tensors(observed(call, "state", dict), want, f"{what}: the model's")
+            state = reported_tensors(observed(call, "state", dict), templates,
+                                     f"{what}: the model's")
             states.append(state)
             got = observed(call, "logged", list)
             if rank != 0:
@@ -430,7 +341,7 @@ def judge_log(observations, world_size, situations) -> None:
             _judge_state(state, want, what, "Every rank must take every step.")
 
         judge_each_rank(calls, judge_rank)
-        _judge_replicas(states, _parameter_names(want, make_linear), what)
+        _judge_replicas(states, _parameter_names(templates, make_linear), what)
 
     _judge_calls(observations, world_size, situations, judge_one)
 
@@ -450,17 +361,22 @@ def _judge_logged(got: list, want: list, what: str) -> None:
                               f"of every rank's loss is {value:.6g}")
 
 
-def judge_evaluate(observations, world_size, situations) -> None:
+def judge_evaluate_against(truth: Truth, observations, world_size, situations) -> None:
+    """``truth``: ``{"history": rank 0's validation loss after each epoch, "state": rank 0's
+    model (every rank's parameters; the buffers only rank 0's)}``."""
+    templates = _templates(make_bn_model)
+    params = _parameter_names(templates, make_bn_model)
+    buffers = [name for name in templates if name not in params]
+
     def judge_one(calls, world_size, situation):
         rows, steps, epochs, lr, seed = situation
         what = f"{_ranks(world_size)}, {epochs} epochs of {steps} steps of {rows} rows"
-        history, wants = expected_evaluate(world_size, situation)
-        params = _parameter_names(wants[0], make_bn_model)
-        buffers = [name for name in wants[0] if name not in params]
+        known = truth(world_size, situation)
+        history, want = known["history"], known["state"]
         states = []
 
         def judge_rank(rank, call):
-            state = reported_tensors(observed(call, "state", dict), wants[rank],
+            state = reported_tensors(observed(call, "state", dict), templates,
                                      f"{what}: the model's")
             states.append(state)
             if observed(call, "training", bool) is not True:
@@ -484,10 +400,10 @@ def judge_evaluate(observations, world_size, situations) -> None:
                             f"{value:.6g}, expected {expected:.6g} (the model in eval mode: "
                             "BatchNorm normalises with its running statistics, and an "
                             "evaluation never updates them)")
-            _judge_state(state, wants[rank], what, "Training must be the ranks' DDP training, "
+            _judge_state(state, want, what, "Training must be the ranks' DDP training, "
                          "untouched by the evaluation.", params)
             if rank == 0:  # the others' last buffers depend on where the evaluation ran
-                _judge_state(state, wants[0], what, "BatchNorm's running statistics on rank 0 "
+                _judge_state(state, want, what, "BatchNorm's running statistics on rank 0 "
                              "are updated by its training forwards only: an evaluation in eval "
                              "mode leaves them alone.", buffers)
 
@@ -497,15 +413,20 @@ def judge_evaluate(observations, world_size, situations) -> None:
     _judge_calls(observations, world_size, situations, judge_one)
 
 
-def judge_shard(observations, world_size, situations) -> None:
+def judge_shard_against(truth: Truth, observations, world_size, situations) -> None:
+    """``truth``: ``{"steps": the steps every rank takes, "state": the model's}``."""
+    templates = _templates(make_linear)
+
     def judge_one(calls, world_size, situation):
         lengths, batch_size, lr, seed = situation
         what = (f"{_ranks(world_size)}, shards of {lengths} samples, batches of {batch_size}")
-        steps, want = expected_shard(world_size, situation)
+        known = truth(world_size, situation)
+        steps, want = known["steps"], known["state"]
         states = []
 
         def judge_rank(rank, call):
-            state = reported_tensors(observed(call, "state", dict), want, f"{what}: the model's")
+            state = reported_tensors(observed(call, "state", dict), templates,
+                                     f"{what}: the model's")
             states.append(state)
             got = observed(call, "steps", (int, type(None)))
             if got != steps:
@@ -519,21 +440,26 @@ def judge_shard(observations, world_size, situations) -> None:
                          "its shard, one DDP step each, and no other.")
 
         judge_each_rank(calls, judge_rank)
-        _judge_replicas(states, _parameter_names(want, make_linear), what)
+        _judge_replicas(states, _parameter_names(templates, make_linear), what)
 
     _judge_calls(observations, world_size, situations, judge_one)
 
 
-def judge_skip(observations, world_size, situations) -> None:
+def judge_skip_against(truth: Truth, observations, world_size, situations) -> None:
+    """``truth``: ``{"applied": the steps every rank applies, "state": the model's}``."""
+    templates = _templates(make_linear)
+
     def judge_one(calls, world_size, situation):
         rows, steps, lr, stop_below, bad, seed = situation
         what = (f"{_ranks(world_size)}, {steps} steps, bad batches {[tuple(b) for b in bad]}, "
                 f"stop below {stop_below:g}")
-        applied, want, _ = expected_skip(world_size, situation)
+        known = truth(world_size, situation)
+        applied, want = known["applied"], known["state"]
         states = []
 
         def judge_rank(rank, call):
-            state = reported_tensors(observed(call, "state", dict), want, f"{what}: the model's")
+            state = reported_tensors(observed(call, "state", dict), templates,
+                                     f"{what}: the model's")
             states.append(state)
             got = observed(call, "applied", (list, type(None)))
             if got != applied or observed(call, "returned_length", int) != len(applied):
@@ -545,16 +471,20 @@ def judge_skip(observations, world_size, situations) -> None:
                          "over the ranks is below stop_below.")
 
         judge_each_rank(calls, judge_rank)
-        _judge_replicas(states, _parameter_names(want, make_linear), what)
+        _judge_replicas(states, _parameter_names(templates, make_linear), what)
 
     _judge_calls(observations, world_size, situations, judge_one)
 
 
-def judge_gather(observations, world_size, situations) -> None:
+def judge_gather_against(truth: Truth, observations, world_size, situations) -> None:
+    """``truth``: ``{"gathered": every rank's rows in rank order}`` (a tensor), or written out
+    ``{"dtype": name, "values": nested lists}``."""
     def judge_one(calls, world_size, situation):
         rows, kind, seed = situation
         what = f"{_ranks(world_size)} holding {rows} rows of {kind}"
-        want = expected_gather(world_size, situation)
+        known = truth(world_size, situation)
+        want = (known["gathered"] if "gathered" in known
+                else torch.tensor(known["values"], dtype=getattr(torch, known["dtype"])))
 
         def judge_rank(rank, call):
             got = observed(call, "gathered", (torch.Tensor, type(None)))
@@ -581,11 +511,6 @@ def judge_gather(observations, world_size, situations) -> None:
     _judge_calls(observations, world_size, situations, judge_one)
 
 
-LOG = Case(observe_log, judge_log)
-EVALUATE = Case(observe_evaluate, judge_evaluate)
-SHARD = Case(observe_shard, judge_shard)
-SKIP = Case(observe_skip, judge_skip)
-GATHER = Case(observe_gather, judge_gather)
 
 HINTS = {
     "log": "a collective that only some ranks call waits for the others forever (or pairs with "
@@ -605,6 +530,108 @@ HINTS = {
               "first, pad to the largest, gather, then cut each rank's padding off",
 }
 
+# What each lab's given code did, and the fixes: the feedback of its visible check once it
+# passes (the lab gives the symptom only; working out the cause is the exercise).
+EXPLANATIONS = {
+    'log': """\
+Only rank 0 writes the log, so its author put the whole logging block, all-reduce included,
+under `if dist.get_rank() == 0`. Rank 0 now makes one collective more than the others, and
+what happens depends on what the others call next:
+
+* **nothing** (the log step was the last step): rank 0 waits in `all_reduce` forever; the
+  other ranks finish. Run (a) below: the deadline shows rank 0 blocked in `all_reduce`.
+* **DDP's gradient all-reduce of their next step**: gloo pairs rank 0's one-float all-reduce
+  with that all-reduce of the gradients (collectives are matched by their order, not by what
+  they hold). The sizes differ, and gloo (torch 2.13) **aborts the process** with SIGABRT, exit
+  code -6: `Received data size doesn't match expected size. Is there a distributed collective
+  mismatch in your code?` (`gloo/transport/tcp/pair.cc`). No Python exception: no `try` can
+  catch it. Run (b).
+* a collective **of the same size**: nothing fails, and each side gets the other's data for its
+  own purpose (lab 2 shows such a silent pairing).
+
+The rule: every rank makes the same collectives in the same order; only what is done with the
+result (printing, writing) may depend on the rank.
+""",
+    'evaluate': """\
+After each epoch rank 0 alone computes a validation loss, in eval mode and under
+`torch.no_grad()`, by calling the DDP wrapper. The model has a BatchNorm layer, and its
+running statistics are **buffers**. With `forward_sync_buffers=True` (the default; torch 2.13's
+name for the deprecated `broadcast_buffers`) DDP's forward broadcasts the buffers from rank 0
+before running the module
+(`DistributedDataParallel._pre_forward` → `_sync_buffers`, torch/nn/parallel/distributed.py),
+whenever `require_forward_param_sync` is set: at the first forward and after every forward
+that ran with gradients enabled outside `no_sync()` (`_post_forward` sets it to
+`torch.is_grad_enabled() and self.require_backward_grad_sync`). It does not look at `train()` /
+`eval()` at all: eval mode does not stop the broadcast. A model
+without buffers would make no collective in a `no_grad` forward, which is why this bug hides
+in some models and not in others.
+
+So rank 0's first evaluation forward makes a broadcast the other ranks do not make. After the
+first epochs it pairs with the broadcast of the others' next training forward (same buffers,
+same sizes), and rank 0, whose `no_grad` forward cleared the flag, skips its own: the job goes
+on, by luck. After the **last** epoch nobody joins: rank 0 waits in `_sync_buffers` forever.
+Run it: the deadline shows rank 0's stack in DDP's `_pre_forward`.
+
+Two fixes: every rank evaluates (through the wrapper; everyone makes the broadcast), or rank 0
+evaluates `ddp_model.module`, the plain module, which makes no collective (in eval mode, so
+BatchNorm uses and keeps its running statistics, then back to train mode).
+""",
+    'shard': """\
+The data is a stream (an `IterableDataset`) sharded by rank, and shards are rarely the same
+length. Each rank loops until its own shard runs out. The rank with the shorter shard finishes;
+the longer one starts one more step, and its `loss.backward()` waits in DDP's gradient
+all-reduce for ranks that will never join. Run it: rank 1 (7 samples, 3 batches of 3) returns,
+rank 0 (10 samples, 4 batches) is blocked in `backward` at the deadline.
+
+The stream does not know its length (`len(shard)` raises), so the ranks must agree as they go:
+before each step, every rank says whether it still has a batch, and an `all_reduce` with
+`ReduceOp.MIN` tells every rank whether **all** of them do. The steps then stop together at
+the shortest shard; the longer shards' extra batches are dropped (as `DistributedSampler` with
+`drop_last=True` drops samples so that every rank has as many).
+
+Why not `torch.distributed.algorithms.Join`? `with Join([ddp_model]):` also ends the hang:
+a rank that ran out "shadows" the others' all-reduces with zeros, and the longer shards are
+trained on to their end. But those extra steps average fewer real gradients, still divided by
+the full world size (`divide_by_initial_world_size=True`, the default of
+`DistributedDataParallel.join`), so the weights are not those of the
+contract below, and the tests reject it: they ask for the dropped-batches training, which is
+the same math as every earlier step. Use Join when every sample must be seen and you accept
+those smaller last steps.
+""",
+    'skip': """\
+Two decisions in this loop are taken by each rank on its own numbers: skip a step whose loss
+is not finite (a corrupt batch gives NaN, an empty one too: the mean of no values), and stop
+once the loss is low enough. A rank that skips makes no backward, so no gradient all-reduce:
+its next step's all-reduce pairs with the others' all-reduce of the skipped step (same sizes:
+no error, but the averaged gradients mix two different steps), and at the end the others wait
+for an all-reduce that never comes. Run it: rank 1 has a NaN at step 2; rank 0 is blocked in
+`backward` at the deadline. A rank that stops alone because its own loss is low leaves the
+others the same way.
+
+Decide together: every rank computes its own flag (my loss is not finite; my loss), one
+`all_reduce` combines them, and every rank acts on the same combined value.
+""",
+    'gather': """\
+Evaluation sharded without padding gives the ranks different numbers of predictions (10
+samples on 4 ranks: 3, 3, 2, 2), and the last batch of an epoch is often smaller. `all_gather`
+needs the same shape on every rank. On gloo (torch 2.13) a mismatch is not a Python error
+you can catch: the rank whose tensor is smaller receives more bytes than it has room for, and
+gloo aborts that process (SIGABRT, exit code -6) with `Received data size doesn't match
+expected size`. Run it. (Output tensors of another size than the input raise an ordinary
+`RuntimeError` instead: `ProcessGroupGloo::allgather: invalid tensor size at index 0`.)
+
+The fix: gather the sizes first (one element per rank), pad every tensor to the largest, gather,
+and cut each rank's padding off. (`dist.all_gather_object` does the same for any picklable
+object, through pickling: fine for small results, slow for large tensors.)
+""",
+}
+
+
+def explain(lab: str) -> None:
+    """Print what the lab's given code did and why the fix works (after its check passed)."""
+    print(f"Why the given code failed, and the fixes:\n\n{EXPLANATIONS[lab].rstrip()}\n")
+
+
 # Situations travel to the ranks as plain tuples.
 VISIBLE_LOG = [(4, 4, 0.1, 2, 0)]  # (rows, steps, lr, log_every, seed)
 VISIBLE_EVALUATE = [(6, 3, 2, 0.1, 0)]  # (rows, steps per epoch, epochs, lr, seed)
@@ -614,26 +641,151 @@ VISIBLE_SKIP = [(4, 6, 0.1, 0.05, [[1, 2, "nan"]], 0),  # (rows, steps, lr, stop
 VISIBLE_GATHER = [([4, 3], "labels", 0), ([5, 1], "scores", 1)]  # (rows by rank, kind, seed)
 
 
+def situation_key(world_size: int, situation) -> str:
+    """How :data:`WRITTEN_OUT` names a situation."""
+    return f"{world_size} ranks, {situation!r}"
+
+
+# The truths of the visible cases, as autograder/hidden/collectives_that_hang.py computes them
+# (`python -m autograder.hidden.collectives_that_hang` prints them again): logged values, steps
+# and gathered rows as they are, each tensor of a model's state as its sum and norm.
+WRITTEN_OUT: dict[str, dict[str, dict]] = {
+    'log': {
+        '2 ranks, (4, 4, 0.1, 2, 0)': {
+            'logged': [
+                [2, 0.4621429741382599],
+                [4, 0.9734540581703186],
+            ],
+            'state': {
+                'weight': [0.46665384620428085, 0.3219415321512544],
+                'bias': [-0.1661975085735321, 0.1661975085735321],
+            },
+        },
+    },
+    'evaluate': {
+        '2 ranks, (6, 3, 2, 0.1, 0)': {
+            'history': [0.445078581571579, 0.4157770872116089],
+            'state': {
+                '0.weight': [1.449191355612129, 1.3968618400471033],
+                '0.bias': [-0.5047138333320618, 0.9487443238709282],
+                '1.weight': [7.967727184295654, 2.8170703945423807],
+                '1.bias': [0.00867975887376815, 0.0183890851527959],
+                '1.running_mean': [-0.34903011843562126, 0.47909024568908853],
+                '1.running_var': [5.635832726955414, 2.0215255304394426],
+                '1.num_batches_tracked': [6.0, 6.0],
+                '3.weight': [0.3208255171775818, 0.4815874140640033],
+                '3.bias': [-0.13073022663593292, 0.13073022663593292],
+            },
+        },
+    },
+    'shard': {
+        '2 ranks, ([10, 7], 3, 0.1, 0)': {
+            'steps': 3,
+            'state': {
+                'weight': [0.5411286503076553, 0.3653889102172591],
+                'bias': [-0.13289359211921692, 0.13289359211921692],
+            },
+        },
+    },
+    'skip': {
+        "2 ranks, (4, 6, 0.1, 0.05, [[1, 2, 'nan']], 0)": {
+            'applied': [1, 3, 4, 5, 6],
+            'state': {
+                'weight': [0.4960843361914158, 0.310968273998277],
+                'bias': [-0.06020009517669678, 0.06020009517669678],
+            },
+        },
+        '2 ranks, (4, 8, 0.3, 0.2, [], 1)': {
+            'applied': [1, 2, 3, 4, 5],
+            'state': {
+                'weight': [0.5805915296077728, 0.37683201980686565],
+                'bias': [0.08255837112665176, 0.08255837112665176],
+            },
+        },
+    },
+    'gather': {
+        "2 ranks, ([4, 3], 'labels', 0)": {
+            'dtype': 'int64',
+            'values': [6, 8, 7, 7, 5, 5, 7],
+        },
+        "2 ranks, ([5, 1], 'scores', 1)": {
+            'dtype': 'float32',
+            'values': [
+                [0.46648895740509033, -0.9024532437324524, 1.565162181854248],
+                [1.5427238941192627, 1.1768746376037598, 0.0688575804233551],
+                [0.34443172812461853, 1.2826054096221924, 0.9376524090766907],
+                [-2.1198363304138184, 0.20064613223075867, -1.5909433364868164],
+                [0.14139781892299652, 0.9671911597251892, -1.0081946849822998],
+                [0.2999265193939209, 0.36482346057891846, -1.753698468208313],
+            ],
+        },
+    },
+}
+
+
+def written_out(lab: str) -> Truth:
+    """The visible cases' truth for ``lab``: their entry of :data:`WRITTEN_OUT`."""
+    def truth(world_size: int, situation) -> dict:
+        key = situation_key(world_size, situation)
+        if key not in WRITTEN_OUT.get(lab, {}):
+            raise RuntimeError(f"no written-out truth for {lab} in {key}: judge it with the "
+                               "grader's hidden checks")
+        return WRITTEN_OUT[lab][key]
+    return truth
+
+
+def judge_log(observations, world_size, situations) -> None:
+    judge_log_against(written_out("log"), observations, world_size, situations)
+
+
+def judge_evaluate(observations, world_size, situations) -> None:
+    judge_evaluate_against(written_out("evaluate"), observations, world_size, situations)
+
+
+def judge_shard(observations, world_size, situations) -> None:
+    judge_shard_against(written_out("shard"), observations, world_size, situations)
+
+
+def judge_skip(observations, world_size, situations) -> None:
+    judge_skip_against(written_out("skip"), observations, world_size, situations)
+
+
+def judge_gather(observations, world_size, situations) -> None:
+    judge_gather_against(written_out("gather"), observations, world_size, situations)
+
+
+LOG = Case(observe_log, judge_log)
+EVALUATE = Case(observe_evaluate, judge_evaluate)
+SHARD = Case(observe_shard, judge_shard)
+SKIP = Case(observe_skip, judge_skip)
+GATHER = Case(observe_gather, judge_gather)
+
+
 def check_train_and_log(fn, timeout: float = HANG_DEADLINE_S) -> None:
     """2 ranks: rank 0 logs the global mean loss every few steps; the ranks stay in step."""
     _run(LOG, 2, fn, VISIBLE_LOG, HINTS["log"], timeout, False)
+    explain("log")
 
 
 def check_fit_and_evaluate(fn, timeout: float = HANG_DEADLINE_S) -> None:
     """2 ranks: rank 0 evaluates after every epoch, the last one included."""
     _run(EVALUATE, 2, fn, VISIBLE_EVALUATE, HINTS["evaluate"], timeout, False)
+    explain("evaluate")
 
 
 def check_train_on_shard(fn, timeout: float = HANG_DEADLINE_S) -> None:
     """2 ranks, shards of 10 and 7 samples in batches of 3: 3 steps on every rank."""
     _run(SHARD, 2, fn, VISIBLE_SHARD, HINTS["shard"], timeout, False)
+    explain("shard")
 
 
 def check_train_skipping_bad_batches(fn, timeout: float = HANG_DEADLINE_S) -> None:
     """2 ranks: a NaN batch on rank 1 at step 2; a run that stops early."""
     _run(SKIP, 2, fn, VISIBLE_SKIP, HINTS["skip"], timeout, False)
+    explain("skip")
 
 
 def check_gather_predictions(fn, timeout: float = HANG_DEADLINE_S) -> None:
     """2 ranks holding 4 and 3 labels, then 5 and 1 rows of scores."""
     _run(GATHER, 2, fn, VISIBLE_GATHER, HINTS["gather"], timeout, False)
+    explain("gather")

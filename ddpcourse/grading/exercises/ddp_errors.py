@@ -4,7 +4,10 @@ and the cases the hidden checks reuse.
 The contracts are the docstrings of ``train_with_aux``, ``save_checkpoint``/``resume`` and
 ``train_tower`` in solutions/09_debugging/ddp_errors.nb.py (students:
 exercises/09_debugging/ddp_errors.ipynb). Every case runs the student's code in real gloo ranks;
-a rank reports only data, and the judge computes its own one-process reference.
+a rank reports only data, and the judge compares it with one process's training, which this
+module does not compute: the visible cases' results are written out (:data:`WRITTEN_OUT`, each
+tensor as its sum and norm), the hidden cases' computed by autograder/hidden/ddp_errors.py on the
+grader's side, which tests/test_grading_ddp_errors.py holds them to.
 
 * ``UNUSED`` (lab 1, an unused head): ``train_with_aux`` trains a :class:`TwoHeads` whose ``aux``
   head gets a loss on some steps or on none. The judge wants the weights of one process, identical
@@ -31,9 +34,10 @@ a rank reports only data, and the judge computes its own one-process reference.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -56,6 +60,10 @@ MAP_BYTES_PER_PARAMETER = 4  # the reducer's map of used parameters: one int32 p
 WAIT_FOR_PEERS_S = 0.5
 FILE_NAME = "checkpoint.pt"
 _MAX_TEXT = 400
+# A situation's truth (one process's weights): what a judge compares with. This module computes
+# none: the visible cases' are written out (WRITTEN_OUT), the hidden cases' computed by
+# autograder/hidden/ddp_errors.py on the grader's side.
+Truth = Callable[[dict, int], dict]
 
 
 def _raised(exc: BaseException | None) -> dict | None:
@@ -99,22 +107,46 @@ def _rank_seed(seed: int, rank: int) -> int:
     return 7919 * seed + 104_729 * rank + 13
 
 
-def _close_weights(got: Any, expected: dict[str, torch.Tensor], what: str,
-                   exact: bool) -> None:
-    """``got`` (a rank's report) equals ``expected``: bit for bit, or within ATOL + RTOL * |w|."""
-    if exact:
+def digest(tensor: torch.Tensor) -> list[float]:
+    """How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64)."""
+    t = tensor.detach().double()
+    return [t.sum().item(), t.norm().item()]
+
+
+def _close_weights(got: Any, expected: dict, what: str, exact: bool) -> None:
+    """``got`` (a rank's report) equals ``expected``: tensors bit for bit (``exact``) or within
+    ATOL + RTOL * |w|; a visible case's written-out :func:`digest` within ``numel * ATOL + RTOL *
+    sqrt(numel) * norm`` (what the element-wise tolerance allows)."""
+    if exact and all(isinstance(t, torch.Tensor) for t in expected.values()):
         _same_tensors(got, expected, what)
         return
-    if not isinstance(got, dict) or set(got) != set(expected):
-        raise CheckFailed(f"{what}: the report of the parameters has the wrong names")
+    if not isinstance(got, dict):
+        raise CheckFailed(f"{what}: expected a dict of tensors, got {type(got).__name__}")
+    if set(got) != set(expected):
+        extra = sorted(set(got) - set(expected))
+        hint = (" (keys start with 'module.': save ddp_model.module.state_dict(), which loads "
+                "into the plain model)" if extra and all(str(k).startswith("module.")
+                                                        for k in extra) else "")
+        raise CheckFailed(f"{what}: the keys differ; missing "
+                          f"{cut_text(sorted(set(expected) - set(got)), 200)}, unexpected "
+                          f"{cut_text(extra, 200)}{hint}")
     for name, tensor in expected.items():
         value = got[name]
-        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape or \
-                value.dtype != tensor.dtype:
+        if isinstance(tensor, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or value.shape != tensor.shape or \
+                    value.dtype != tensor.dtype:
+                raise CheckFailed(f"{what}: {name!r} is not a tensor like the model's")
+            if not torch.allclose(value, tensor, rtol=RTOL, atol=ATOL):
+                diff = (value.double() - tensor.double()).abs().max().item()
+                raise CheckFailed(f"{what}: {name!r} differs from one process's by up to "
+                                  f"{diff:.3g}")
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             raise CheckFailed(f"{what}: {name!r} is not a tensor like the model's")
-        if not torch.allclose(value, tensor, rtol=RTOL, atol=ATOL):
-            diff = (value.double() - tensor.double()).abs().max().item()
-            raise CheckFailed(f"{what}: {name!r} differs from one process's by up to {diff:.3g}")
+        diff = max(abs(a - b) for a, b in zip(digest(value), tensor))
+        if diff > ATOL * value.numel() + RTOL * math.sqrt(value.numel()) * tensor[1]:
+            raise CheckFailed(f"{what}: {name!r} differs from one process's (its sum or norm "
+                              f"by {diff:.3g})")
 
 
 def _judge_replicas(observations, key: str, what: str) -> None:
@@ -181,20 +213,6 @@ def aux_loss(model: nn.Module, x, y, aux_y):
     return loss if aux_y is None else loss + F.cross_entropy(aux, aux_y)
 
 
-def unused_reference(s: dict, world_size: int) -> dict[str, torch.Tensor]:
-    """One process: rank 0's initial model, plain SGD, each step's gradient the mean over the
-    ranks of each rank's loss gradient (what DDP's average gives)."""
-    model = make_two_heads(_rank_seed(s["seed"], 0))
-    optimizer = torch.optim.SGD(model.parameters(), lr=s["lr"])
-    every = [aux_batches(s, rank) for rank in range(world_size)]
-    for step in range(s["steps"]):
-        optimizer.zero_grad()
-        total = sum(aux_loss(model, *every[rank][step]) for rank in range(world_size))
-        (total / world_size).backward()
-        optimizer.step()
-    return _state(model)
-
-
 def gradient_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -249,13 +267,14 @@ def judge_traffic(total: int, s: dict) -> None:
                       "that also all-reduces the aux head's")
 
 
-def judge_unused(observations, world_size, s):
+def judge_unused_against(truth: Truth, observations, world_size, s):
+    """``truth(s, world_size)``: ``{"weights": one process's}``."""
     aux = ("no step" if not s["aux_steps"] else
            f"step(s) {', '.join(map(str, s['aux_steps']))} only")
     what = (f"train_with_aux on {world_size} rank(s), {s['steps']} steps, aux labels at {aux}")
     judge_each_rank(observations, lambda rank, o: _no_exception(o, what))
     _judge_replicas(observations, "weights", what)
-    reference = unused_reference(s, world_size)
+    reference = truth(s, world_size)["weights"]
     judge_each_rank(observations, lambda rank, o: _close_weights(
         observed(o, "weights", dict), reference,
         f"{what}: the weights, compared with one process on every rank's batches", exact=False))
@@ -269,7 +288,6 @@ def _judge_traffic_of(observation: Any, s: dict, what: str) -> None:
         raise CheckFailed(f"{what}: {failed}") from None
 
 
-UNUSED = Case(observe_unused, judge_unused, audit_traffic=True)
 
 
 # --- lab 10: the checkpoint ------------------------------------------------------------------
@@ -317,26 +335,6 @@ def grader_steps(ddp_model, optimizer, seed: int, steps: range, rank: int) -> No
         optimizer.zero_grad()
         F.cross_entropy(ddp_model(x), y).backward()
         optimizer.step()
-
-
-def resume_reference(s: dict, world_size: int, steps: int) -> dict[str, torch.Tensor]:
-    """One process, ``steps`` steps: each rank's gradient divided by the world size, then summed
-    in rank order, as DDP does (exact for one or two ranks)."""
-    model = make_net(_rank_seed(s["seed"], 0))
-    optimizer = make_optimizer(s["optimizer"], model)
-    params = list(model.parameters())
-    for step in range(steps):
-        grads = []
-        for rank in range(world_size):
-            x, y = net_batch(s["seed"], step, rank)
-            grads.append(torch.autograd.grad(F.cross_entropy(model(x), y), params))
-        for index, param in enumerate(params):
-            total = grads[0][index] / world_size
-            for other in grads[1:]:
-                total = total + other[index] / world_size
-            param.grad = total
-        optimizer.step()
-    return _state(model)
 
 
 class HeldWhilePickled:
@@ -434,7 +432,10 @@ def _judge_on_return(rank: int, observation: Any, what: str) -> None:
                           "(dist.barrier() after it, on every rank) before going on")
 
 
-def judge_resume(observations, world_size, s):
+def judge_resume_against(truth: Truth, observations, world_size, s):
+    """``truth(s, world_size)``: ``{"saved": one process's weights after the steps before the
+    save, "final": after the steps after the resume too}``."""
+    known = truth(s, world_size)
     what = (f"save_checkpoint after {s['steps']} steps, resume and {s['more']} more steps "
             f"({world_size} rank(s), {s['optimizer']})")
     judge_each_rank(observations, lambda rank, o: _no_exception(o, what))
@@ -451,11 +452,11 @@ def judge_resume(observations, world_size, s):
                 all(str(key).startswith("module.") for key in keys) else "")
         raise CheckFailed(f"{what}: the file must hold a dict with 'model' and 'optimizer', "
                           f"it has {cut_text(keys, 200)}{hint}")
-    _close_weights(file.get("model"), resume_reference(s, world_size, s["steps"]),
+    _close_weights(file.get("model"), known["saved"],
                    f"{what}: the file's 'model', loaded into the plain (unwrapped) model",
                    world_size <= 2)
     judge_each_rank(observations, lambda rank, o: _no_exception(o, what, "resume_raised"))
-    final = resume_reference(s, world_size, s["steps"] + s["more"])
+    final = known["final"]
     exact = world_size <= 2
 
     def judge_rank(rank, observation):
@@ -470,7 +471,6 @@ def judge_resume(observations, world_size, s):
     judge_each_rank(observations, judge_rank)
 
 
-RESUME = Case(observe_resume, judge_resume)
 
 
 # --- lab 11: reentrant activation checkpointing -------------------------------------------------
@@ -533,19 +533,6 @@ def tower_batches(s: dict, rank: int) -> list:
             for _ in range(s["steps"])]
 
 
-def tower_reference(s: dict, world_size: int) -> dict[str, torch.Tensor]:
-    model = make_tower(_rank_seed(s["seed"], 0), s["repeats"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=s["lr"])
-    every = [tower_batches(s, rank) for rank in range(world_size)]
-    for step in range(s["steps"]):
-        optimizer.zero_grad()
-        total = sum(F.cross_entropy(model(every[r][step][0]), every[r][step][1])
-                    for r in range(world_size))
-        (total / world_size).backward()
-        optimizer.step()
-    return _state(model)
-
-
 def observe_checkpointed(rank, world_size, train_tower, s):
     model = make_tower(_rank_seed(s["seed"], rank), s["repeats"])
     counter = model.block[1]
@@ -557,7 +544,8 @@ def observe_checkpointed(rank, world_size, train_tower, s):
     return {"raised": _raised(raised), "weights": _state(model), "block_forwards": counter.forwards}
 
 
-def judge_checkpointed(observations, world_size, s):
+def judge_checkpointed_against(truth: Truth, observations, world_size, s):
+    """``truth(s, world_size)``: ``{"weights": one process's}``."""
     what = (f"train_tower on {world_size} rank(s), the block applied {s['repeats']} time(s) per "
             f"forward, {s['steps']} steps")
     judge_each_rank(observations, lambda rank, o: _no_exception(o, what))
@@ -573,27 +561,205 @@ def judge_checkpointed(observations, world_size, s):
 
     judge_each_rank(observations, judge_forwards)
     _judge_replicas(observations, "weights", what)
-    reference = tower_reference(s, world_size)
+    reference = truth(s, world_size)["weights"]
     judge_each_rank(observations, lambda rank, o: _close_weights(
         observed(o, "weights", dict), reference,
         f"{what}: the weights, compared with one process on every rank's batches", exact=False))
 
 
+
+
+# --- the visible cases and their written-out truths -------------------------------------------
+
+VISIBLE_UNUSED = unused_setting(seed=1, steps=4)
+VISIBLE_RESUME = resume_setting(seed=2)
+VISIBLE_TOWER = tower_setting(seed=3, repeats=1)
+
+
+def situation_key(s: dict, world_size: int) -> str:
+    """How :data:`WRITTEN_OUT` names a situation."""
+    return f"{world_size} ranks, " + ", ".join(f"{k}={s[k]!r}" for k in sorted(s))
+
+
+# The truths of the visible cases, as autograder/hidden/ddp_errors.py computes them (`python -m
+# autograder.hidden.ddp_errors` prints them again): each tensor as its sum and norm.
+WRITTEN_OUT: dict[str, dict[str, dict]] = {
+    'unused': {
+        '2 ranks, aux_steps=[], lr=0.5, rows=4, seed=1, steps=4': {
+            'weights': {
+                'backbone.weight': [1.5112000312656164, 2.20293439710036],
+                'backbone.bias': [0.7910115979611874, 0.8847415166888976],
+                'head.weight': [-0.25458505004644394, 1.0081306180909235],
+                'head.bias': [0.1044401079416275, 0.3674363027616994],
+                'aux.weight': [0.6679463982582092, 1.8989612109076426],
+                'aux.bias': [-0.14633280038833618, 0.40625923967838806],
+            },
+        },
+    },
+    'resume': {
+        "2 ranks, more=3, optimizer='adam', seed=2, steps=3": {
+            'saved': {
+                'inp.weight': [-3.5298448083922267, 2.231879332047403],
+                'inp.bias': [-0.24602297134697437, 0.9824406689551259],
+                'out.weight': [-1.6702841008082032, 0.9805601320162722],
+                'out.bias': [-0.05995485186576843, 0.2779727189169706],
+            },
+            'final': {
+                'inp.weight': [-3.5549222186673433, 2.229786161297562],
+                'inp.bias': [-0.2982221134006977, 0.9960891071217112],
+                'out.weight': [-1.729001851286739, 0.9791881208639848],
+                'out.bias': [-0.0696333721280098, 0.27195628720866716],
+            },
+        },
+    },
+    'tower': {
+        '2 ranks, lr=0.5, repeats=1, rows=4, seed=3, steps=3': {
+            'weights': {
+                'inp.weight': [1.3901801090687513, 2.3094958023781023],
+                'inp.bias': [-0.4370478391647339, 1.0167913504792667],
+                'block.0.weight': [2.3174151475541294, 2.311949587186688],
+                'block.0.bias': [0.29304342716932297, 0.5105375064465499],
+                'out.weight': [-0.6365291369147599, 1.0818931817092239],
+                'out.bias': [0.11297556012868881, 0.23313377436046795],
+                'pooler.weight': [-0.6500750184059143, 2.2679670038042814],
+                'pooler.bias': [0.3203258514404297, 0.5458640027922408],
+            },
+        },
+    },
+}
+
+
+def written_out(lab: str) -> Truth:
+    """The visible cases' truth for ``lab``: their entry of :data:`WRITTEN_OUT`."""
+    def truth(s: dict, world_size: int) -> dict:
+        key = situation_key(s, world_size)
+        if key not in WRITTEN_OUT.get(lab, {}):
+            raise RuntimeError(f"no written-out truth for {lab} in {key}: judge it with the "
+                               "grader's hidden checks")
+        return WRITTEN_OUT[lab][key]
+    return truth
+
+
+def judge_unused(observations, world_size, s):
+    judge_unused_against(written_out("unused"), observations, world_size, s)
+
+
+def judge_resume(observations, world_size, s):
+    judge_resume_against(written_out("resume"), observations, world_size, s)
+
+
+def judge_checkpointed(observations, world_size, s):
+    judge_checkpointed_against(written_out("tower"), observations, world_size, s)
+
+
+UNUSED = Case(observe_unused, judge_unused, audit_traffic=True)
+RESUME = Case(observe_resume, judge_resume)
 CHECKPOINTED = Case(observe_checkpointed, judge_checkpointed)
+
+
+# What each lab's given code did, and the fixes: the feedback of its visible check once it
+# passes (the lab gives the symptom only; working out the cause is the exercise).
+EXPLANATIONS = {
+    'unused': """\
+**What happened.** DDP's reducer waits, in every backward, for a gradient of *every* parameter
+it wraps before it all-reduces the bucket that holds it. The aux head got none, so the bucket
+was never all-reduced: step 1's `optimizer.step()` used each rank's **own** gradients (no
+all-reduce at all, and the replicas already differ, see the weight sums), and the error comes
+only at the **next** forward, the second iteration: "Expected to have finished reduction in the
+prior iteration before starting a new one", naming the parameter indices that got no gradient
+(4 and 5: `aux.weight`, `aux.bias`; `TORCH_DISTRIBUTED_DEBUG=INFO` names them). Had the aux head
+been used on step 1 and skipped on step 2, the error would come at the third iteration.
+
+**The fixes.** The error suggests `find_unused_parameters=True`, which works, at a price on every
+step: DDP traverses the autograd graph after each forward to find the unused parameters and
+all-reduces a map of which parameters each rank used (`Reducer::all_reduce_local_used_map` in
+torch/csrc/distributed/c10d/reducer.cpp), 4 bytes per parameter tensor per step. This lab asks
+for a fix without it (the test counts what the ranks all-reduce):
+
+* **Give DDP nothing to wait for**: freeze the head before wrapping
+  (`model.aux.requires_grad_(False)`: DDP waits only for parameters that require a gradient,
+  and still broadcasts the frozen ones from rank 0 when it wraps). Right when the head is not
+  trained in this run. Wrapping only the parts the loss uses (`DDP(nn.Sequential(backbone,
+  tanh, head))`) also stops the error, but DDP then never broadcasts the aux head: every rank
+  keeps its own initial aux weights, and the test's ranks, which start from different
+  weights, end with replicas that differ.
+* **Give it a part in every loss**: `loss + 0 * aux.sum()` on the steps without aux labels. Its
+  gradient is then zero, which plain SGD (no momentum, no weight decay) turns into no change at
+  all: SGD skips a parameter whose `.grad` is `None` and subtracts `lr * 0` from one whose
+  gradient is zero (torch/optim/sgd.py, `_init_group` and `_single_tensor_sgd`). With weight
+  decay or momentum a zero gradient still moves the weights, so the trick changes the result
+  there. It costs the head's forward, backward and gradient all-reduce on every step, and it is
+  the fix that still works when the head **is** trained on some steps.
+* **`static_graph=True`** tells DDP that the same parameters are used on every iteration: it
+  records the unused ones on the first iteration (all-reducing the map once) and marks them
+  ready itself afterwards. Right when the head is never used; when it is used on some steps
+  only, DDP raises ("Your training graph has changed in this iteration...").
+""",
+    'resume': """\
+**What happened.** Three mistakes, two of which show:
+
+* The wrapper's `state_dict()` names every tensor `module.<name>`, so the plain model of the new
+  job refuses it: "Error(s) in loading state_dict ... Missing key(s) ... Unexpected key(s)
+  ... module.inp.weight". Save `ddp_model.module.state_dict()`.
+* Only the weights were saved: the resumed Adam starts with no moments and step count 0, so
+  its first steps are far larger than the uninterrupted run's (the loss jumps), and the runs
+  part (the gap above). Save and restore `optimizer.state_dict()` too, on every rank (DDP
+  broadcasts the weights when it wraps, never the optimizer).
+* Every rank writes the same file. Replicas are identical, so this is one file written N times,
+  at once: on a shared filesystem the writes race, and a reader can meet a half-written file.
+  Rank 0 writes, then every rank waits (`dist.barrier()`) so that no rank goes on (or resumes)
+  before the file is complete. One file per rank (`checkpoint-{rank}.pt`) avoids the race but
+  is not accepted here either: N copies of the same bytes, N times the I/O, and a job resumed
+  on another number of ranks has no file for its new ranks.
+""",
+    'tower': """\
+**What happened.** On the first backward: "Expected to mark a variable ready only once ...
+Parameter at index 3 with name block.0.bias has been marked as ready twice". No parameter is
+shared and the block runs once: the combination of the two flags is enough. Reentrant
+checkpointing (`use_reentrant=True`) runs the block under `no_grad` in the forward and
+recomputes it in a backward of its own; the block's parameters are not in the graph that
+`find_unused_parameters=True` traverses after the forward, so DDP takes them for unused and
+marks them ready at once, and then the inner backward's gradient hooks mark them ready again.
+(The same error, without `find_unused_parameters`, comes from a reentrant-checkpointed block
+applied twice in one forward: the hidden tests have one.)
+
+**The fixes**, each shown to pass these tests:
+
+* `use_reentrant=False`: the non-reentrant implementation records the recomputation in the
+  same autograd graph (saved-tensor hooks), so DDP sees the block's parameters used once. The
+  PyTorch docs recommend it (torch.utils.checkpoint.checkpoint); keep
+  `find_unused_parameters=True` for the pooler.
+* `static_graph=True` in place of `find_unused_parameters=True`: DDP learns on the first
+  iteration which parameters are used and how often their hooks fire, and marks them
+  accordingly, so reentrant checkpointing and the unused pooler both work, as long as the
+  graph is the same on every iteration.
+* Dropping `find_unused_parameters` alone is no fix: the pooler's missing gradient then raises
+  lab 1's error on the second iteration; and dropping the checkpointing gives back the memory
+  it saved (the test counts the block's recomputations).
+""",
+}
+
+
+def explain(lab: str) -> None:
+    """Print what the lab's given code did and why the fixes work (after its check passed)."""
+    print(f"{EXPLANATIONS[lab].rstrip()}\n")
 
 
 # --- the visible checks -----------------------------------------------------------------------
 
 
 def check_aux_head_never_used(train_with_aux) -> None:
-    run_student(UNUSED, 2, train_with_aux, unused_setting(seed=1, steps=4))
+    run_student(UNUSED, 2, train_with_aux, VISIBLE_UNUSED)
+    explain("unused")
 
 
 def check_resume(save_checkpoint, resume) -> None:
     from ddpcourse.grading.checks import together
 
-    run_student(RESUME, 2, together(save_checkpoint, resume), resume_setting(seed=2))
+    run_student(RESUME, 2, together(save_checkpoint, resume), VISIBLE_RESUME)
+    explain("resume")
 
 
 def check_checkpointed_tower(train_tower) -> None:
-    run_student(CHECKPOINTED, 2, train_tower, tower_setting(seed=3, repeats=1))
+    run_student(CHECKPOINTED, 2, train_tower, VISIBLE_TOWER)
+    explain("tower")

@@ -7,8 +7,11 @@ exercises/09_debugging/replicas_that_disagree.ipynb).
 
 Each check is a :class:`~ddpcourse.grading.checks.Case`: a rank builds its inputs, calls the
 student's function and reports only data (what came back, what its process group did, every
-parameter and buffer afterwards); the judge, which never runs the student's code, computes the
-reference itself and compares.
+parameter and buffer afterwards); the judge, which never runs the student's code, compares it
+with the situation's truth. This module computes no truth (no one-process training, no replay):
+the visible cases' truths are written out (:data:`WRITTEN_OUT`, each tensor as its sum and norm),
+the hidden cases' computed by autograder/hidden/replicas_that_disagree.py on the grader's side,
+which tests/test_grading_replicas_that_disagree.py holds them to.
 
 * ``JOINED`` (lab 12, the rank read from ``SLURM_PROCID`` with a default of 0): processes started
   with no group, each given the variables of a launcher (torchrun's, srun's, torchrun started by
@@ -36,11 +39,12 @@ or more).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 import time
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -56,6 +60,10 @@ FEATURES, HIDDEN, CLASSES = 6, 16, 3
 ATOL, RTOL = 1e-5, 1e-5
 GROUP_TIMEOUT_S = 3.0  # a process group that cannot form gives up after this
 MAX_TEXT = 600
+# A situation's truth: what a judge compares with. This module computes none: the visible cases'
+# are written out (WRITTEN_OUT), the hidden cases' computed by
+# autograder/hidden/replicas_that_disagree.py on the grader's side.
+Truth = Callable[..., dict]
 TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 SLURM = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_NNODES")
 
@@ -331,28 +339,6 @@ def observe_temperature(rank, world_size, train_with_temperature, situations):
     return {"calls": calls}
 
 
-def one_process_temperature(s: Situation, world_size: int) -> dict:
-    """ONE process: rank 0's initial model and temperature, the global batch of each step (every
-    rank's batch, concatenated), the mean loss, plain SGD."""
-    model, criterion = make_model(model_seed(s, 0)), make_criterion(s, 0)
-    everyone = [make_batches(s, rank) for rank in range(world_size)]
-    params = [*model.parameters(), *criterion.parameters()]
-    for step in range(s.steps):
-        x = torch.cat([batches[step][0] for batches in everyone])
-        y = torch.cat([batches[step][1] for batches in everyone])
-        grads = torch.autograd.grad(criterion(model(x), y), params)
-        _sgd_step(params, grads, s.lr)
-    return {"model": _state(model), "criterion": _state(criterion)}
-
-
-def _sgd_step(params, grads, lr: float) -> None:
-    """What plain ``torch.optim.SGD`` does (no momentum, no weight decay), without importing
-    the optimizers (their first import costs the judge seconds)."""
-    with torch.no_grad():
-        for p, grad in zip(params, grads):
-            p.add_(grad, alpha=-lr)
-
-
 @contextlib.contextmanager
 def _one_thread():
     """The judge's tiny models on one thread: on a loaded machine, two threads per matrix
@@ -363,37 +349,6 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def replay_temperature(s: Situation, world_size: int, mistake: str) -> list[dict]:
-    """Every rank's final state for a known mistake, replayed in one process: the model's
-    gradients averaged (it is inside DDP), the temperature's gradients not ("outside"), or the
-    temperature then averaged once at the end ("averaged at the end"), or rank 0's temperature
-    copied to every rank after each step ("broadcast each step")."""
-    model = make_model(model_seed(s, 0))
-    temperatures = [make_criterion(s, rank) for rank in range(world_size)]
-    everyone = [make_batches(s, rank) for rank in range(world_size)]
-    params = list(model.parameters())
-    with torch.no_grad():
-        for step in range(s.steps):
-            model_grads = [torch.zeros_like(p) for p in params]
-            for rank, criterion in enumerate(temperatures):
-                x, y = everyone[rank][step]
-                with torch.enable_grad():
-                    loss = criterion(model(x), y)
-                    grads = torch.autograd.grad(loss, [*params, criterion.log_temperature])
-                for total, grad in zip(model_grads, grads[:-1]):
-                    total += grad / world_size
-                criterion.log_temperature.add_(grads[-1], alpha=-s.lr)
-            _sgd_step(params, model_grads, s.lr)
-            if mistake == "broadcast each step":
-                for criterion in temperatures[1:]:
-                    criterion.log_temperature.copy_(temperatures[0].log_temperature)
-        if mistake == "averaged at the end":
-            mean = torch.stack([c.log_temperature for c in temperatures]).mean()
-            for criterion in temperatures:
-                criterion.log_temperature.copy_(mean)
-    return [{"model": _state(model), "criterion": _state(c)} for c in temperatures]
 
 
 TEMPERATURE_MISTAKES = {
@@ -422,57 +377,6 @@ def observe_batchnorm(rank, world_size, train_and_evaluate, situations):
     return {"calls": calls}
 
 
-def replay_batchnorm(s: Situation, world_size: int, buffers: str) -> list[dict]:
-    """Every rank's final state and evaluation output, replayed in one process: gradients
-    averaged over the ranks (DDP), each rank normalising with its own batch's statistics; the
-    running statistics are
-
-    * ``"rank 0"``: rank 0's, broadcast before every forward through the wrapper, the last time
-      before the evaluation (DDP's default): the reference;
-    * ``"own"``: each rank's own (``broadcast_buffers=False``, ``forward_sync_buffers=False``);
-    * ``"own last step"``: rank 0's broadcast before each training forward, then each rank's
-      last forward updated its own, and the evaluation bypassed the wrapper;
-    * ``"averaged"``: each rank's own, then the mean over the ranks."""
-    model = make_batchnorm_model(model_seed(s, 0))
-    everyone = [make_batches(s, rank) for rank in range(world_size)]
-    params = list(model.parameters())
-    names = [name for name, _ in model.named_buffers()]
-    held = [{n: b.clone() for n, b in model.named_buffers()} for _ in range(world_size)]
-    model.train()
-    for step in range(s.steps):
-        if buffers not in ("own", "averaged"):
-            held = [{n: b.clone() for n, b in held[0].items()} for _ in range(world_size)]
-        totals = [torch.zeros_like(p) for p in params]
-        for rank in range(world_size):
-            _load_buffers(model, held[rank])
-            x, y = everyone[rank][step]
-            grads = torch.autograd.grad(F.cross_entropy(model(x), y), params)
-            held[rank] = {n: b.clone() for n, b in model.named_buffers()}
-            for total, grad in zip(totals, grads):
-                total += grad / world_size
-        _sgd_step(params, totals, s.lr)
-    if buffers == "rank 0":
-        held = [dict(held[0]) for _ in range(world_size)]
-    elif buffers == "averaged":
-        mean = {n: (torch.stack([h[n].double() for h in held]).mean(0).to(held[0][n].dtype)
-                    if held[0][n].is_floating_point() else held[0][n]) for n in names}
-        held = [dict(mean) for _ in range(world_size)]
-    results = []
-    model.eval()
-    for rank in range(world_size):
-        _load_buffers(model, held[rank])
-        with torch.no_grad():
-            output = model(eval_inputs(s))
-        results.append({"model": _state(model), "output": output})
-    return results
-
-
-def _load_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
-
-
 BATCHNORM_MISTAKES = {
     "own": "every rank keeps its own running statistics (broadcast_buffers=False, or "
            "forward_sync_buffers=False): each rank's BatchNorm has averaged its own batches, so "
@@ -489,13 +393,35 @@ BATCHNORM_MISTAKES = {
 # --- judging labs 13 and 14 ---------------------------------------------------------------------
 
 
+def digest(tensor: torch.Tensor) -> list[float]:
+    """How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64)."""
+    t = tensor.detach().double()
+    return [t.sum().item(), t.norm().item()]
+
+
+def _difference(got: torch.Tensor, want: Any) -> tuple[float, bool]:
+    """How far ``got`` is from ``want`` (a tensor: element-wise ``ATOL + RTOL * |w|``; a
+    written-out :func:`digest`: within ``numel * ATOL + RTOL * sqrt(numel) * norm``, which bounds
+    what the element-wise tolerance allows) and whether that is within the tolerance."""
+    if isinstance(want, torch.Tensor):
+        return ((got.double() - want.double()).abs().max().item(),
+                torch.allclose(got.double(), want.double(), rtol=RTOL, atol=ATOL))
+    diff = max(abs(a - b) for a, b in zip(digest(got), want))
+    return diff, diff <= ATOL * got.numel() + RTOL * math.sqrt(got.numel()) * want[1]
+
+
 def _close(got: dict, want: dict) -> bool:
-    return all(torch.allclose(got[n].double(), want[n].double(), rtol=RTOL, atol=ATOL)
-               for n in want)
+    return all(_difference(got[n], want[n])[1] for n in want)
 
 
 def _largest(got: dict, want: dict) -> tuple[float, str]:
-    return max(((got[n].double() - want[n].double()).abs().max().item(), n) for n in want)
+    return max((_difference(got[n], want[n])[0], n) for n in want)
+
+
+def _templates(make) -> dict[str, torch.Tensor]:
+    """The names, shapes and dtypes a rank's report of a module's state must have."""
+    with torch.random.fork_rng(devices=[]):
+        return _state(make())
 
 
 def _judge_group(rank: int, call: dict) -> None:
@@ -537,48 +463,56 @@ def _judge_states(states: list[dict], reference: dict, replays: dict, mistakes: 
                 if not _close(state[k], reference[k]):
                     diff, name = _largest(state[k], reference[k])
                     raise CheckFailed(f"{what}: the {k}'s {name!r} is off the reference by "
-                                      f"{diff:.3g} (allowed {ATOL:g} + {RTOL:g} * |w|).{why}")
+                                      f"{diff:.3g}.{why}")
         judge_each_rank(states, wrong)
 
 
-def judge_temperature(observations, world_size, situations):
+def judge_temperature_against(truth: Truth, observations, world_size, situations):
+    """``truth(s, world_size)``: ``{"reference": {"model": ..., "criterion": ...}`` of ONE process
+    on the global batches, ``"replays": {mistake: [every rank's states]}}`` for
+    :data:`TEMPERATURE_MISTAKES`."""
     with _one_thread():
-        _judge_temperature(observations, world_size, situations)
+        _judge_temperature(truth, observations, world_size, situations)
 
 
-def judge_batchnorm(observations, world_size, situations):
+def judge_batchnorm_against(truth: Truth, observations, world_size, situations):
+    """``truth(s, world_size)``: ``{"reference": {"model": ..., "evaluation": {"output": ...}}``
+    of DDP's default semantics replayed, ``"replays": {mistake: [every rank's]}}`` for
+    :data:`BATCHNORM_MISTAKES`."""
     with _one_thread():
-        _judge_batchnorm(observations, world_size, situations)
+        _judge_batchnorm(truth, observations, world_size, situations)
 
 
-def _judge_temperature(observations, world_size, situations):
+def _judge_temperature(truth, observations, world_size, situations):
     reports = every_ranks_calls(observations, len(situations))
+    templates = {"model": _templates(lambda: make_model(0)),
+                 "criterion": _templates(TemperedLoss)}
     for number, situation in enumerate(situations):
         s = Situation(*situation)
         what = s.describe(world_size)
         calls = [report[number] for report in reports]
-        reference = one_process_temperature(s, world_size)
         judge_each_rank(calls, _judge_group)
         states = []
 
         def read(rank, call):
-            states.append({k: reported_tensors(observed(call, k, dict), reference[k],
+            states.append({k: reported_tensors(observed(call, k, dict), templates[k],
                                                f"{what}: the {k}'s")
                            for k in ("model", "criterion")})
 
         judge_each_rank(calls, read)
-        replays = {m: replay_temperature(s, world_size, m) for m in TEMPERATURE_MISTAKES}
-        _judge_states(states, reference, replays, TEMPERATURE_MISTAKES, what,
+        known = truth(s, world_size)
+        _judge_states(states, known["reference"], known["replays"], TEMPERATURE_MISTAKES, what,
                       ("model", "criterion"))
 
 
-def _judge_batchnorm(observations, world_size, situations):
+def _judge_batchnorm(truth, observations, world_size, situations):
     reports = every_ranks_calls(observations, len(situations))
+    templates = {"model": _templates(lambda: make_batchnorm_model(0)),
+                 "evaluation": {"output": torch.zeros(5, CLASSES)}}
     for number, situation in enumerate(situations):
         s = Situation(*situation)
         what = s.describe(world_size)
         calls = [report[number] for report in reports]
-        [reference, *_] = replay_batchnorm(s, world_size, "rank 0")
         judge_each_rank(calls, _judge_group)
         states = []
 
@@ -589,24 +523,339 @@ def _judge_batchnorm(observations, world_size, situations):
                                   f"{cut_text(observed(call, 'returned', str), 80)}, expected "
                                   "the evaluation's output tensor")
             states.append({"model": reported_tensors(observed(call, "model", dict),
-                                                     wanted["model"], f"{what}: the model's"),
+                                                     templates["model"], f"{what}: the model's"),
                            "evaluation": reported_tensors({"output": output},
-                                                          wanted["evaluation"],
+                                                          templates["evaluation"],
                                                           f"{what}: the evaluation's")})
 
-        wanted = {"model": reference["model"], "evaluation": {"output": reference["output"]}}
         judge_each_rank(calls, read)
-        replays = {m: [{"model": r["model"], "evaluation": {"output": r["output"]}}
-                       for r in replay_batchnorm(s, world_size, m)] for m in BATCHNORM_MISTAKES}
-        _judge_states(states, wanted, replays, BATCHNORM_MISTAKES, what,
+        known = truth(s, world_size)
+        _judge_states(states, known["reference"], known["replays"], BATCHNORM_MISTAKES, what,
                       ("model", "evaluation"))
+
+
+VISIBLE_JOIN = [("torchrun", 1), ("srun", 1), ("torchrun-in-srun", 1), ("none", 1)]
+VISIBLE_TRAINING = [tuple(Situation(steps=4, rows=8, lr=0.5, seed=0))]
+
+
+def situation_key(s: Situation, world_size: int) -> str:
+    """How :data:`WRITTEN_OUT` names a situation."""
+    return f"{world_size} ranks, {tuple(s)!r}"
+
+
+# The truths of the visible cases, as autograder/hidden/replicas_that_disagree.py computes them
+# (`python -m autograder.hidden.replicas_that_disagree` prints them again): the reference and
+# every known mistake's states, each tensor as its sum and norm.
+WRITTEN_OUT: dict[str, dict[str, dict]] = {
+    'temperature': {
+        '2 ranks, (4, 8, 0.5, 0, False)': {
+            'reference': {
+                'model': {
+                    '0.weight': [0.35238052578642964, 2.1781668926831266],
+                    '0.bias': [1.0490230098366737, 0.923378280964515],
+                    '2.weight': [0.6558364033699036, 1.0834950392894431],
+                    '2.bias': [-0.010590434074401855, 0.25211528797082833],
+                },
+                'criterion': {
+                    'log_temperature': [0.09518131613731384, 0.09518131613731384],
+                },
+            },
+            'replays': {
+                'outside': [
+                    {
+                        'model': {
+                            '0.weight': [0.3482995652593672, 2.1786143969053233],
+                            '0.bias': [1.0511251538991928, 0.9230316693529187],
+                            '2.weight': [0.6558365598320961, 1.0834950729880026],
+                            '2.bias': [-0.010590419173240662, 0.25208942378177046],
+                        },
+                        'criterion': {
+                            'log_temperature': [0.09875980019569397, 0.09875980019569397],
+                        },
+                    },
+                    {
+                        'model': {
+                            '0.weight': [0.3482995652593672, 2.1786143969053233],
+                            '0.bias': [1.0511251538991928, 0.9230316693529187],
+                            '2.weight': [0.6558365598320961, 1.0834950729880026],
+                            '2.bias': [-0.010590419173240662, 0.25208942378177046],
+                        },
+                        'criterion': {
+                            'log_temperature': [0.09336566925048828, 0.09336566925048828],
+                        },
+                    },
+                ],
+                'averaged at the end': [
+                    {
+                        'model': {
+                            '0.weight': [0.3482995652593672, 2.1786143969053233],
+                            '0.bias': [1.0511251538991928, 0.9230316693529187],
+                            '2.weight': [0.6558365598320961, 1.0834950729880026],
+                            '2.bias': [-0.010590419173240662, 0.25208942378177046],
+                        },
+                        'criterion': {
+                            'log_temperature': [0.09606273472309113, 0.09606273472309113],
+                        },
+                    },
+                    {
+                        'model': {
+                            '0.weight': [0.3482995652593672, 2.1786143969053233],
+                            '0.bias': [1.0511251538991928, 0.9230316693529187],
+                            '2.weight': [0.6558365598320961, 1.0834950729880026],
+                            '2.bias': [-0.010590419173240662, 0.25208942378177046],
+                        },
+                        'criterion': {
+                            'log_temperature': [0.09606273472309113, 0.09606273472309113],
+                        },
+                    },
+                ],
+                'broadcast each step': [
+                    {
+                        'model': {
+                            '0.weight': [0.3507518917322159, 2.178255096860105],
+                            '0.bias': [1.0509427674114704, 0.9228629600200535],
+                            '2.weight': [0.6558365682139993, 1.0837505776267957],
+                            '2.bias': [-0.010590419173240662, 0.249622740661776],
+                        },
+                        'criterion': {
+                            'log_temperature': [0.09860731661319733, 0.09860731661319733],
+                        },
+                    },
+                    {
+                        'model': {
+                            '0.weight': [0.3507518917322159, 2.178255096860105],
+                            '0.bias': [1.0509427674114704, 0.9228629600200535],
+                            '2.weight': [0.6558365682139993, 1.0837505776267957],
+                            '2.bias': [-0.010590419173240662, 0.249622740661776],
+                        },
+                        'criterion': {
+                            'log_temperature': [0.09860731661319733, 0.09860731661319733],
+                        },
+                    },
+                ],
+            },
+        },
+    },
+    'batchnorm': {
+        '2 ranks, (4, 8, 0.5, 0, False)': {
+            'reference': {
+                'model': {
+                    '0.weight': [0.5196915338747203, 2.209735942096999],
+                    '0.bias': [1.2231958657503128, 0.9163993543471293],
+                    '1.weight': [15.836358726024628, 3.9604310638023064],
+                    '1.bias': [-0.1108083943836391, 0.1454766212495144],
+                    '1.running_mean': [0.4853144269436598, 0.28079934497148784],
+                    '1.running_var': [12.089042603969574, 3.030120851334474],
+                    '1.num_batches_tracked': [4.0, 4.0],
+                    '3.weight': [0.655836395919323, 1.0907562428280286],
+                    '3.bias': [-0.01059044897556305, 0.24034960212192386],
+                },
+                'evaluation': {
+                    'output': [1.7894168496131897, 1.9252077412190722],
+                },
+            },
+            'replays': {
+                'own': [
+                    {
+                        'model': {
+                            '0.weight': [0.5196915338747203, 2.209735942096999],
+                            '0.bias': [1.2231958657503128, 0.9163993543471293],
+                            '1.weight': [15.836358726024628, 3.9604310638023064],
+                            '1.bias': [-0.1108083943836391, 0.1454766212495144],
+                            '1.running_mean': [0.4853144269436598, 0.28079934497148784],
+                            '1.running_var': [12.089042603969574, 3.030120851334474],
+                            '1.num_batches_tracked': [4.0, 4.0],
+                            '3.weight': [0.655836395919323, 1.0907562428280286],
+                            '3.bias': [-0.01059044897556305, 0.24034960212192386],
+                        },
+                        'evaluation': {
+                            'output': [1.7894168496131897, 1.9252077412190722],
+                        },
+                    },
+                    {
+                        'model': {
+                            '0.weight': [0.5196915338747203, 2.209735942096999],
+                            '0.bias': [1.2231958657503128, 0.9163993543471293],
+                            '1.weight': [15.836358726024628, 3.9604310638023064],
+                            '1.bias': [-0.1108083943836391, 0.1454766212495144],
+                            '1.running_mean': [0.6435046307742596, 0.8590341880493401],
+                            '1.running_var': [18.35157710313797, 4.670171215498039],
+                            '1.num_batches_tracked': [4.0, 4.0],
+                            '3.weight': [0.655836395919323, 1.0907562428280286],
+                            '3.bias': [-0.01059044897556305, 0.24034960212192386],
+                        },
+                        'evaluation': {
+                            'output': [0.7158510312438011, 1.5046014674354793],
+                        },
+                    },
+                ],
+                'own last step': [
+                    {
+                        'model': {
+                            '0.weight': [0.5196915338747203, 2.209735942096999],
+                            '0.bias': [1.2231958657503128, 0.9163993543471293],
+                            '1.weight': [15.836358726024628, 3.9604310638023064],
+                            '1.bias': [-0.1108083943836391, 0.1454766212495144],
+                            '1.running_mean': [0.4853144269436598, 0.28079934497148784],
+                            '1.running_var': [12.089042603969574, 3.030120851334474],
+                            '1.num_batches_tracked': [4.0, 4.0],
+                            '3.weight': [0.655836395919323, 1.0907562428280286],
+                            '3.bias': [-0.01059044897556305, 0.24034960212192386],
+                        },
+                        'evaluation': {
+                            'output': [1.7894168496131897, 1.9252077412190722],
+                        },
+                    },
+                    {
+                        'model': {
+                            '0.weight': [0.5196915338747203, 2.209735942096999],
+                            '0.bias': [1.2231958657503128, 0.9163993543471293],
+                            '1.weight': [15.836358726024628, 3.9604310638023064],
+                            '1.bias': [-0.1108083943836391, 0.1454766212495144],
+                            '1.running_mean': [0.6243309639394283, 0.455683867572759],
+                            '1.running_var': [13.505149245262146, 3.399760580203846],
+                            '1.num_batches_tracked': [4.0, 4.0],
+                            '3.weight': [0.655836395919323, 1.0907562428280286],
+                            '3.bias': [-0.01059044897556305, 0.24034960212192386],
+                        },
+                        'evaluation': {
+                            'output': [1.3439572006464005, 1.7892545670742017],
+                        },
+                    },
+                ],
+                'averaged': [
+                    {
+                        'model': {
+                            '0.weight': [0.5196915338747203, 2.209735942096999],
+                            '0.bias': [1.2231958657503128, 0.9163993543471293],
+                            '1.weight': [15.836358726024628, 3.9604310638023064],
+                            '1.bias': [-0.1108083943836391, 0.1454766212495144],
+                            '1.running_mean': [0.5644095223397017, 0.5114156950242129],
+                            '1.running_var': [15.220309734344482, 3.841237360505115],
+                            '1.num_batches_tracked': [4.0, 4.0],
+                            '3.weight': [0.655836395919323, 1.0907562428280286],
+                            '3.bias': [-0.01059044897556305, 0.24034960212192386],
+                        },
+                        'evaluation': {
+                            'output': [1.2120698243379593, 1.6605462654321617],
+                        },
+                    },
+                    {
+                        'model': {
+                            '0.weight': [0.5196915338747203, 2.209735942096999],
+                            '0.bias': [1.2231958657503128, 0.9163993543471293],
+                            '1.weight': [15.836358726024628, 3.9604310638023064],
+                            '1.bias': [-0.1108083943836391, 0.1454766212495144],
+                            '1.running_mean': [0.5644095223397017, 0.5114156950242129],
+                            '1.running_var': [15.220309734344482, 3.841237360505115],
+                            '1.num_batches_tracked': [4.0, 4.0],
+                            '3.weight': [0.655836395919323, 1.0907562428280286],
+                            '3.bias': [-0.01059044897556305, 0.24034960212192386],
+                        },
+                        'evaluation': {
+                            'output': [1.2120698243379593, 1.6605462654321617],
+                        },
+                    },
+                ],
+            },
+        },
+    },
+}
+
+
+def written_out(lab: str) -> Truth:
+    """The visible cases' truth for ``lab``: their entry of :data:`WRITTEN_OUT`."""
+    def truth(s: Situation, world_size: int) -> dict:
+        key = situation_key(s, world_size)
+        if key not in WRITTEN_OUT.get(lab, {}):
+            raise RuntimeError(f"no written-out truth for {lab} in {key}: judge it with the "
+                               "grader's hidden checks")
+        return WRITTEN_OUT[lab][key]
+    return truth
+
+
+def judge_temperature(observations, world_size, situations):
+    judge_temperature_against(written_out("temperature"), observations, world_size, situations)
+
+
+def judge_batchnorm(observations, world_size, situations):
+    judge_batchnorm_against(written_out("batchnorm"), observations, world_size, situations)
 
 
 TEMPERATURE = Case(observe_temperature, judge_temperature)
 BATCHNORM = Case(observe_batchnorm, judge_batchnorm)
 
-VISIBLE_JOIN = [("torchrun", 1), ("srun", 1), ("torchrun-in-srun", 1), ("none", 1)]
-VISIBLE_TRAINING = [tuple(Situation(steps=4, rows=8, lr=0.5, seed=0))]
+
+# What each lab's given code did, and the fixes: the feedback of its visible check once it
+# passes (the lab gives the symptom only; working out the cause is the exercise).
+EXPLANATIONS = {
+    'join': """\
+The job's first function was written for SLURM, where `srun` starts one task per process and
+sets `SLURM_PROCID` (the global rank), `SLURM_LOCALID` (the rank on its machine) and
+`SLURM_NTASKS`. When the job moved to `torchrun`, someone added `WORLD_SIZE`, and the defaults
+"make it work when run by hand". But torchrun sets `RANK`, `LOCAL_RANK` and `WORLD_SIZE`, and
+no `SLURM_*` at all: `os.environ.get("SLURM_PROCID", 0)` gives 0 in **every** process.
+
+Two processes that both claim rank 0 of 2 cannot form a group: each writes its address as rank
+0's and waits for rank 1's, which nobody writes. With the default timeout (30 minutes for
+gloo) the job just hangs; with a short one every rank fails with the store's timeout: the
+`file://` store below says `RuntimeError: Wait timeout`; under `torchrun` (its agent's TCP
+store, `env://`) every process says `DistStoreError: wait timeout after 1000ms, keys:
+/default_pg/0//cpu//0/1` for a one-second timeout: the key of rank 1, who never came. Worse
+is when the world size is read the same way (`SLURM_NTASKS` with a default of 1): then every
+process forms a group **of its own**, as rank 0 of 1, nothing fails, every all-reduce returns
+the process's own value, and N processes train N separate models, all logging and saving as
+rank 0.
+""",
+    'temperature': """\
+The model is wrapped in DDP, and the loss is `TemperedLoss` (from the setup cell): the
+cross-entropy of `logits / exp(log_temperature)`, where `log_temperature` is an
+`nn.Parameter`. It is created after wrapping and handed to the optimizer, so it learns; but
+DDP only averages the gradients of the parameters of the module it wraps. Each rank's
+temperature follows its own rank's data, and the ranks hold different models after the first
+step. The model's own weights still agree (DDP averages their gradients), so a check of the
+wrapped model alone sees nothing wrong: compare everything that learns.
+
+Two tempting fixes do not work: seeding before creating
+the temperature (it already starts equal: the problem is its gradients, not its start), and
+averaging the parameters once at the end (the ranks then agree, but every step before used a
+temperature of its own, so they agree on the wrong weights).
+""",
+    'batchnorm': """\
+BatchNorm keeps buffers, not parameters: `running_mean`, `running_var`, `num_batches_tracked`.
+Training forwards update them from each rank's own batch, and evaluation normalises with them.
+By default DDP copies rank 0's buffers to every rank at the start of a forward through the
+wrapper whenever the previous forward ran with gradients on and outside `no_sync()` (and at the
+first forward after wrapping): `DistributedDataParallel._pre_forward` calls `_sync_buffers`,
+which broadcasts from rank 0, when `will_sync_module_buffers()` holds, and `_post_forward`
+re-arms it only after such a forward (chapter 07 counts the broadcasts). The switch is `forward_sync_buffers` in torch 2.13; its older name
+`broadcast_buffers`, the one in the cell below, is deprecated there and warns (the
+`FutureWarning` the cell prints; `broadcast_buffers=False` also skips the sync of the
+buffers when the wrapper is built, `forward_sync_buffers=False` does not). Turned off, the
+ranks' statistics differ from the first step on, and the same weights evaluate differently on
+every rank.
+
+Two things that are easy to get wrong:
+
+* Even with the sync on, the buffers are broadcast **before** a forward, so after the last
+  training step every rank still holds the statistics its own last batch updated. They agree
+  again only after the next forward through the wrapper (the first evaluation forward through
+  `ddp_model`, which broadcasts rank 0's: `will_sync_module_buffers` is true after a forward
+  with gradients): evaluating `ddp_model.module` (or the plain model) skips that, and the ranks
+  disagree.
+* `nn.SyncBatchNorm` (batch statistics over all ranks) does not run here: on the CPU, DDP's
+  constructor refuses it with `ValueError: SyncBatchNorm layers only work with GPU modules`,
+  and its forward in training raises `SyncBatchNorm expected input tensor to be on GPU or XPU
+  or ...` (torch/nn/modules/batchnorm.py, `SyncBatchNorm.forward`). It is a fix on GPUs with
+  NCCL, and it changes the training itself (normalisation with the global batch's
+  statistics); this lab keeps DDP's default rules.
+""",
+}
+
+
+def explain(lab: str) -> None:
+    """Print what the lab's given code did and why the fix works (after its check passed)."""
+    print(f"What the given code did:\n\n{EXPLANATIONS[lab].rstrip()}\n")
 
 
 def run_join(join_the_job, world_size: int, situations, **kwargs) -> None:
@@ -620,11 +869,14 @@ def run_join(join_the_job, world_size: int, situations, **kwargs) -> None:
 
 def check_join_the_job(join_the_job) -> None:
     run_join(join_the_job, 2, VISIBLE_JOIN)
+    explain("join")
 
 
 def check_train_with_temperature(train_with_temperature) -> None:
     run_student(TEMPERATURE, 2, train_with_temperature, VISIBLE_TRAINING)
+    explain("temperature")
 
 
 def check_train_and_evaluate(train_and_evaluate) -> None:
     run_student(BATCHNORM, 2, train_and_evaluate, VISIBLE_TRAINING)
+    explain("batchnorm")
