@@ -27,6 +27,14 @@ turns into ``std::terminate`` (the stack is in tests/test_dist_env.py; pytorch/p
   collector runs: collecting before the group is destroyed frees what the block left behind,
   and collecting at exit frees models that outlive the block while the interpreter is whole.
 * ``cpu_group``'s gloo twin is forgotten when the default group is destroyed.
+* DTensor (FSDP2's ``fully_shard`` shards parameters as DTensors) caches what it computed for a
+  device mesh, and each cached entry holds the mesh, whose ``_pg_registry`` holds the group: the
+  C++ fast path's sharding-propagation cache (``torch._C._clear_DTensor_sharding_propagator_cache``;
+  held C++-side, so no Python referrer shows it), the Python one, the redistribution planners
+  (``_redistribute._planner_cache``: keyed by a weak reference to the mesh, but each planner holds
+  the mesh itself) and the mesh topology (``MeshTopoInfo.build_from_mesh``). Left alone they keep
+  gloo's three threads running after the group is destroyed (tests/test_dist_env.py shows it), so
+  ``process_group`` empties them first (``_forget_dtensor_caches``).
 """
 
 from __future__ import annotations
@@ -149,6 +157,7 @@ def process_group(timeout_s: float = 120.0, backend: str = "auto",
         gc.collect()  # free the body's DDP models while their group still lives (docstring)
         _cpu_groups.clear()
         _forget_in_default_arguments(dist.group.WORLD)
+        _forget_dtensor_caches()
         dist.destroy_process_group()
 
 
@@ -170,6 +179,37 @@ def _forget_in_default_arguments(group: dist.ProcessGroup) -> None:
             if function.__kwdefaults__:
                 function.__kwdefaults__ = {key: None if value is group else value
                                            for key, value in function.__kwdefaults__.items()}
+
+
+def _forget_dtensor_caches() -> None:
+    """Empty DTensor's caches of results computed for a device mesh (each holds the mesh, and
+    the mesh its process groups; module docstring). Nothing to do where DTensor was never
+    imported. Each cache is looked up by name, so a torch without it is passed over; the test of
+    the threads left after an FSDP2 step fails if a new cache keeps the group."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cache_clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    if redistribute is not None:
+        for name in ("clear_redistribute_planner_cache", "_gen_transform_infos.cache_clear"):
+            target = redistribute
+            for part in name.split("."):
+                target = getattr(target, part, None)
+            if target is not None:
+                target()
+    collective_utils = sys.modules.get("torch.distributed.tensor._collective_utils")
+    topology = getattr(collective_utils, "MeshTopoInfo", None)
+    if topology is not None and hasattr(topology.build_from_mesh, "cache_clear"):
+        topology.build_from_mesh.cache_clear()
 
 
 def group_device() -> torch.device:

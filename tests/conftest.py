@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import chapter_launch
 import pytest
 import suite_plan
 import suite_profile
@@ -29,6 +30,8 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_configure(config):
     suite_profile.register(config)  # where the time goes: build/suite_profile/last/
+    if not hasattr(config, "workerinput"):  # the run's controller, or a run without workers
+        chapter_launch.forget_earlier_runs()  # launches shared within a run: build/launches/
     for number in CHAPTER_NUMBERS:
         config.addinivalue_line("markers", f"ch{number}: a test of chapter {number}")
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from chapter_launch import launch_once
 from course_layout import chapter_scripts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,18 +20,16 @@ def launch_command(script: Path) -> str:
     return next(line.strip() for line in doc.splitlines() if line.startswith("    torchrun "))
 
 
-@functools.cache
-def run_as_documented(script: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """One launch per script and run: the tests that read the same launch share it."""
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return subprocess.run(launch_command(script), shell=True, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+def run_as_documented(script: Path, timeout: float = 240):
+    """One launch per script and run: the tests that read the same launch share it, here and in
+    the chapters' test files (``chapter_launch.launch_once``)."""
+    return launch_once(launch_command(script), timeout)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_script_runs_under_torchrun_as_documented(script):
     done = run_as_documented(script)
+    assert not done.timed_out, f"{launch_command(script)}: still running after 240 s\n{done.stdout}"
     assert done.returncode == 0, f"{launch_command(script)}\n{done.stdout}\n{done.stderr}"
     assert "terminate called" not in done.stderr
 
