@@ -220,7 +220,7 @@ class _Worker:
 
     def __init__(self, student: str, submission: Path, assignment: str, root: Path,
                  cell_timeout: int | None, student_timeout: float, duedate: str | None = None,
-                 cleared_flag: str | None = None):
+                 cleared_flag: str | None = None, gradebook: Path | None = None):
         self.student = student
         work = root / student
         root.mkdir(parents=True, exist_ok=True)
@@ -229,7 +229,8 @@ class _Worker:
         self.log_path = root / f"{student}.log"
         job = {"student": student, "assignment": assignment, "submission": str(submission),
                "work": str(work), "result": str(self.result_path), "cell_timeout": cell_timeout,
-               "duedate": duedate, "cleared_flag": cleared_flag}
+               "duedate": duedate, "cleared_flag": cleared_flag,
+               "empty_gradebook": str(gradebook) if gradebook else None}
         job_path = root / f"{student}.job.json"
         job_path.write_text(json.dumps(job))
         env = dict(os.environ)
@@ -337,6 +338,25 @@ def due_date(course: Path, assignment: str) -> str | None:
         return duedate.isoformat() if duedate else None
 
 
+EMPTY_GRADEBOOK = "empty-gradebook.db"
+
+
+def empty_gradebook(path: Path) -> Path:
+    """A new, empty nbgrader gradebook at ``path``, made by nbgrader itself.
+
+    nbgrader stamps every new gradebook with its schema's revision, which it asks a separate
+    ``alembic heads`` process for: 2-3 s of CPU (10-20 s on a busy 2-core machine) each time.
+    A run makes one, and each worker's gradebook and a new course gradebook start as copies of
+    it (:func:`autograder.worker._prepare`, :func:`autograder.merge.record_into_copy`), so the
+    run pays that once instead of once per student."""
+    from nbgrader.api import Gradebook
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with Gradebook(f"sqlite:///{path}"):
+        pass
+    return path
+
+
 def _grade_all(chosen: list[str], found: dict[str, Path], assignment: str, root: Path,
                jobs: int | None, cell_timeout: int | None, student_timeout: float,
                duedate: str | None = None, cleared_flags: dict[str, str] | None = None,
@@ -346,13 +366,14 @@ def _grade_all(chosen: list[str], found: dict[str, Path], assignment: str, root:
     running: list[_Worker] = []
     results: list[dict] = []
     started = time.monotonic()
+    template = empty_gradebook(root / EMPTY_GRADEBOOK)
     try:
         while pending or running:
             while pending and len(running) < jobs:
                 student, folder = pending.pop(0)
                 running.append(_Worker(student, folder, assignment, root, cell_timeout,
                                        student_timeout, duedate,
-                                       (cleared_flags or {}).get(student)))
+                                       (cleared_flags or {}).get(student), template))
             for worker in list(running):
                 result = worker.poll()
                 if result is not None:
@@ -470,7 +491,7 @@ def _record_gradebook(results: list[dict], assignment: str, db: Path, workers: P
     graded = {result["student"]: workers / result["student"] / GRADEBOOK for result in results}
     if not course.is_file() and not any(path.is_file() for path in graded.values()):
         return
-    record_into_copy(course, db, assignment, graded)
+    record_into_copy(course, db, assignment, graded, empty=workers / EMPTY_GRADEBOOK)
     flagged = [result["student"] for result in results
                if result["status"] == "flagged for tampering"]
     hold_for_review(f"sqlite:///{db}", assignment, flagged)
