@@ -13,7 +13,8 @@ it and are killed. Results: ``OUT/grades.csv`` (nbgrader export's columns, then 
 ``autograder/gradesheet.py``), ``OUT/feedback/{student}/{assignment}/*.html`` (a page for every
 notebook of the assignment, handed in or not, each opening with the assignment's total),
 ``OUT/autograded/{student}/{assignment}/`` (the graded notebooks, where formgrader opens them for
-manual grading), ``OUT/work/``, ``OUT/summary.json``, ``OUT/gradebook.db`` (the course gradebook:
+manual grading), ``OUT/work/``, ``OUT/summary.json`` (each student's result, with the seconds
+each step of their grading took: ``steps``), ``OUT/gradebook.db`` (the course gradebook:
 nbgrader's own database, where ``nbgrader export``, formgrader and ``generate_feedback`` find every
 student's grades; autograder/nbgrader_config.py points nbgrader at
 ``autograder/course/gradebook.db``, the default OUT's), and a summary table on stdout.
