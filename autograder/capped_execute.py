@@ -19,6 +19,10 @@ A cap must never change a grade. nbgrader scores a test cell 0 when it shows an 
 output, and partial credit from an execute result (``nbgrader.utils.determine_grade``), so in
 grade cells the first output of each of those kinds is always kept, cut down to
 ``grading_output_bytes`` when it does not fit.
+
+It also remembers where a notebook's execution stopped for good (``STOPS``): nbgrader drops a
+submission whose kernel died or could not be interrupted, and the grader then tells the student
+which cell did it from this record, instead of executing the notebook a second time.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbformat.v4 import new_output
 from nbgrader.preprocessors import Execute
 from nbgrader.utils import is_grade
@@ -125,6 +130,24 @@ def _cut(msg: dict, budget: int) -> dict | None:
 
 
 @dataclass
+class Stop:
+    """Where and why a notebook's execution stopped before its end: the code cell that was
+    running, and whether it had run past its timeout (the kernel could not be interrupted),
+    killed its kernel, or failed otherwise."""
+
+    cell_index: int
+    cells: int  # the notebook's cells, as executed
+    source: str
+    why: str  # "blocked", "died" or "failed"
+    error: str  # the exception, as nbclient raised it
+
+
+# notebook name (its file's stem) -> where its execution stopped, for the notebooks this process
+# executed (a grading worker executes one submission)
+STOPS: dict[str, Stop] = {}
+
+
+@dataclass
 class _Tally:
     kept: int = 0
     dropped: int = 0
@@ -153,6 +176,29 @@ class CappedExecute(Execute):
         self._notebook_kept = 0
         self._tallies: dict[int, _Tally] = {}
         self._cell_index = -1
+
+    def preprocess(self, nb, resources=None, km=None):
+        name = ((resources or {}).get("metadata") or {}).get("name") or ""
+        STOPS.pop(name, None)
+        self._stopped = None
+        try:
+            return super().preprocess(nb, resources, km)
+        finally:
+            if self._stopped is not None:
+                STOPS[name] = self._stopped
+
+    def preprocess_cell(self, cell, resources, cell_index):
+        try:
+            return super().preprocess_cell(cell, resources, cell_index)
+        except Exception as exc:
+            # With interrupt_on_timeout, a cell past its timeout is interrupted and execution
+            # goes on; nbclient raises CellTimeoutError only when the kernel then still does not
+            # answer: it could not be interrupted.
+            why = ("blocked" if isinstance(exc, CellTimeoutError) else
+                   "died" if isinstance(exc, DeadKernelError) else "failed")
+            self._stopped = Stop(cell_index, len(self.nb.cells), cell.source, why,
+                                 f"{type(exc).__name__}: {exc}")
+            raise
 
     def _tally(self, cell_index: int) -> _Tally:
         return self._tallies.setdefault(cell_index, _Tally())

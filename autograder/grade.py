@@ -13,7 +13,8 @@ it and are killed. Results: ``OUT/grades.csv`` (nbgrader export's columns, then 
 ``autograder/gradesheet.py``), ``OUT/feedback/{student}/{assignment}/*.html`` (a page for every
 notebook of the assignment, handed in or not, each opening with the assignment's total),
 ``OUT/autograded/{student}/{assignment}/`` (the graded notebooks, where formgrader opens them for
-manual grading), ``OUT/work/``, ``OUT/summary.json``, ``OUT/gradebook.db`` (the course gradebook:
+manual grading), ``OUT/work/``, ``OUT/summary.json`` (each student's result, with the seconds
+each step of their grading took: ``steps``), ``OUT/gradebook.db`` (the course gradebook:
 nbgrader's own database, where ``nbgrader export``, formgrader and ``generate_feedback`` find every
 student's grades; autograder/nbgrader_config.py points nbgrader at
 ``autograder/course/gradebook.db``, the default OUT's), and a summary table on stdout.
@@ -63,6 +64,9 @@ from ddpcourse.launcher.processes import kill_process_group, live_descendants, p
 
 _PR_SET_CHILD_SUBREAPER = 36
 MAX_LOG_BYTES = 1_000_000
+# How often the workers are looked at: each look reads the process table (~3 ms of CPU), and a
+# submission takes tens of seconds, so half a second costs little latency and little CPU.
+POLL_S = 0.5
 
 
 def _become_subreaper() -> None:
@@ -220,7 +224,7 @@ class _Worker:
 
     def __init__(self, student: str, submission: Path, assignment: str, root: Path,
                  cell_timeout: int | None, student_timeout: float, duedate: str | None = None,
-                 cleared_flag: str | None = None):
+                 cleared_flag: str | None = None, gradebook: Path | None = None):
         self.student = student
         work = root / student
         root.mkdir(parents=True, exist_ok=True)
@@ -229,7 +233,8 @@ class _Worker:
         self.log_path = root / f"{student}.log"
         job = {"student": student, "assignment": assignment, "submission": str(submission),
                "work": str(work), "result": str(self.result_path), "cell_timeout": cell_timeout,
-               "duedate": duedate, "cleared_flag": cleared_flag}
+               "duedate": duedate, "cleared_flag": cleared_flag,
+               "empty_gradebook": str(gradebook) if gradebook else None}
         job_path = root / f"{student}.job.json"
         job_path.write_text(json.dumps(job))
         env = dict(os.environ)
@@ -337,6 +342,25 @@ def due_date(course: Path, assignment: str) -> str | None:
         return duedate.isoformat() if duedate else None
 
 
+EMPTY_GRADEBOOK = "empty-gradebook.db"
+
+
+def empty_gradebook(path: Path) -> Path:
+    """A new, empty nbgrader gradebook at ``path``, made by nbgrader itself.
+
+    nbgrader stamps every new gradebook with its schema's revision, which it asks a separate
+    ``alembic heads`` process for: 2-3 s of CPU (10-20 s on a busy 2-core machine) each time.
+    A run makes one, and each worker's gradebook and a new course gradebook start as copies of
+    it (:func:`autograder.worker._prepare`, :func:`autograder.merge.record_into_copy`), so the
+    run pays that once instead of once per student."""
+    from nbgrader.api import Gradebook
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with Gradebook(f"sqlite:///{path}"):
+        pass
+    return path
+
+
 def _grade_all(chosen: list[str], found: dict[str, Path], assignment: str, root: Path,
                jobs: int | None, cell_timeout: int | None, student_timeout: float,
                duedate: str | None = None, cleared_flags: dict[str, str] | None = None,
@@ -346,20 +370,21 @@ def _grade_all(chosen: list[str], found: dict[str, Path], assignment: str, root:
     running: list[_Worker] = []
     results: list[dict] = []
     started = time.monotonic()
+    template = empty_gradebook(root / EMPTY_GRADEBOOK)
     try:
         while pending or running:
             while pending and len(running) < jobs:
                 student, folder = pending.pop(0)
                 running.append(_Worker(student, folder, assignment, root, cell_timeout,
                                        student_timeout, duedate,
-                                       (cleared_flags or {}).get(student)))
+                                       (cleared_flags or {}).get(student), template))
             for worker in list(running):
                 result = worker.poll()
                 if result is not None:
                     running.remove(worker)
                     results.append(result)
             _reap_adopted_orphans(running)
-            time.sleep(0.2)
+            time.sleep(POLL_S)
     finally:
         for worker in running:
             worker.kill()
@@ -470,7 +495,7 @@ def _record_gradebook(results: list[dict], assignment: str, db: Path, workers: P
     graded = {result["student"]: workers / result["student"] / GRADEBOOK for result in results}
     if not course.is_file() and not any(path.is_file() for path in graded.values()):
         return
-    record_into_copy(course, db, assignment, graded)
+    record_into_copy(course, db, assignment, graded, empty=workers / EMPTY_GRADEBOOK)
     flagged = [result["student"] for result in results
                if result["status"] == "flagged for tampering"]
     hold_for_review(f"sqlite:///{db}", assignment, flagged)

@@ -292,14 +292,18 @@ def merge_gradebook(parts: list[GradingOutput], out: Path) -> None:
     os.replace(updated, out / GRADEBOOK)
 
 
-def record_into_copy(course: Path, copy: Path, assignment: str, graded: dict[str, Path]) -> None:
+def record_into_copy(course: Path, copy: Path, assignment: str, graded: dict[str, Path],
+                     empty: Path | None = None) -> None:
     """Write to ``copy`` the course gradebook ``course`` (a new one where there is none, else its
     roster, due dates and other students kept) with ``graded``'s submissions recorded: student ->
-    the gradebook they were graded in. ``course`` itself is not touched."""
+    the gradebook they were graded in. ``course`` itself is not touched. ``empty``: an empty
+    gradebook that a new one starts as a copy of (:func:`autograder.grade.empty_gradebook`)."""
     from autograder.nbgrader_api import record_class_in_course_gradebook
 
     if course.is_file():
         shutil.copyfile(course, copy)
+    elif empty is not None and empty.is_file():
+        shutil.copyfile(empty, copy)
     record_class_in_course_gradebook(f"sqlite:///{copy}", assignment, graded)
 
 

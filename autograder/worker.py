@@ -6,12 +6,14 @@ Steps: copy the source assignment and the submission into the work folder; scan 
 for tampering (from outside the kernel); put the locked setup cell back in first place if it was
 moved; ``generate_assignment`` (gradebook entries and checksums), ``autograde``,
 ``generate_feedback``, ``nbgrader export``. If nbgrader dropped the submission (its kernel died
-or could not be interrupted), find out where by executing it once more, and write a feedback page
-that says so, so no student silently disappears. The result goes to ``result.json``.
+or could not be interrupted), find out where (from where its execution stopped, else by executing
+it once more), and write a feedback page that says so, so no student silently disappears. Each
+step's seconds go to the log and the result. The result goes to ``result.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -23,10 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import nbformat
+# jsonschema imports rfc3987_syntax, where it is installed, only to check the "iri" string formats,
+# which nothing this worker validates uses (nbformat's schema has none); building that package's
+# grammar at import costs ~1 s of CPU, in every worker. An absent module is skipped by jsonschema.
+sys.modules.setdefault("rfc3987_syntax", None)
+
+import nbformat  # noqa: E402 - after the line above
 from traitlets.config import Config
 
-from autograder import late_penalty, sandbox, trusted
+from autograder import capped_execute, late_penalty, sandbox, trusted
 from autograder.nbgrader_api import REPO, api_for, check, load_config
 from autograder.notices import write_notice
 from autograder.relayed import RelayedRanks
@@ -36,6 +43,37 @@ from ddpcourse.grading.exercises import CHECKS_PACKAGE
 from ddpcourse.grading.notebook_guard import GRADED_FUNCTIONS, GRADED_FUNCTIONS_DIR
 
 SETUP_ID = "setup"
+TIMING = "[timing] "  # the start of each line of the log that says how long a step took
+
+
+class Steps:
+    """Seconds spent in each step of grading one submission, for the log (one ``[timing]`` line
+    per step as it ends) and for the result (``summary.json``: where an instructor sees what a
+    slow class spends its time on)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            took = time.monotonic() - start
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + took, 2)
+            print(f"{TIMING}{name}: {took:.2f} s", flush=True)
+
+
+def seconds_since_process_start() -> float | None:
+    """How long ago this process started (Linux: /proc), so the interpreter's start-up and
+    imports count among the steps; None where that is not known."""
+    try:
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(uptime - started / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
 SANDBOX_POLICY = "DDPCOURSE_SANDBOX"  # require, warn or off: set by ``grade --sandbox``
 
 
@@ -123,6 +161,22 @@ def _sandboxed_kernel_config(box: sandbox.Sandbox | None, kernel_dir: Path) -> C
     return config
 
 
+STOPPED_BECAUSE = {"blocked": "it blocked the kernel, which could not be interrupted",
+                   "died": "the notebook's kernel died while running it"}
+
+
+def _why_dropped(notebook: Path, cell_timeout: int, kernel_dir: Path,
+                 box: sandbox.Sandbox | None) -> str:
+    """The cell that killed or blocked the kernel of a notebook nbgrader dropped: where its
+    execution stopped during autograde (capped_execute.STOPS), or, if that was not recorded,
+    found by executing the submission once more."""
+    stop = capped_execute.STOPS.get(notebook.stem)
+    if stop is None:
+        return _diagnose_dropped(notebook, cell_timeout, kernel_dir, box)
+    what = STOPPED_BECAUSE.get(stop.why, f"running it failed: {stop.error}")
+    return _report(stop.cell_index, stop.cells, stop.source, what)
+
+
 def _diagnose_dropped(notebook: Path, cell_timeout: int, kernel_dir: Path,
                       box: sandbox.Sandbox | None) -> str:
     """Execute the (sanitised) submission once more to find the cell that killed its kernel."""
@@ -146,10 +200,9 @@ def _diagnose_dropped(notebook: Path, cell_timeout: int, kernel_dir: Path,
             client.on_cell_execute = remember
             client.execute()
     except DeadKernelError:
-        return _cell_report(nb, executed[0], "the notebook's kernel died while running it")
+        return _cell_report(nb, executed[0], STOPPED_BECAUSE["died"])
     except CellTimeoutError:
-        return _cell_report(nb, executed[0], "it blocked the kernel, which could not be "
-                                              "interrupted")
+        return _cell_report(nb, executed[0], STOPPED_BECAUSE["blocked"])
     except Exception as exc:  # noqa: BLE001 - anything that stops execution is the answer
         return _cell_report(nb, executed[0], f"running it failed: {type(exc).__name__}: {exc}")
     return "the notebook ran to the end when re-executed; nbgrader's log has the details"
@@ -158,9 +211,12 @@ def _diagnose_dropped(notebook: Path, cell_timeout: int, kernel_dir: Path,
 def _cell_report(nb, index: int, what: str) -> str:
     if index < 0:
         return what
-    source = nb.cells[index].source
+    return _report(index, len(nb.cells), nb.cells[index].source, what)
+
+
+def _report(index: int, cells: int, source: str, what: str) -> str:
     head = "\n".join(source.splitlines()[:12])
-    return f"code cell {index + 1} (of the notebook's {len(nb.cells)} cells): {what}.\n\n{head}"
+    return f"code cell {index + 1} (of the notebook's {cells} cells): {what}.\n\n{head}"
 
 
 MAX_FUNCTION_BYTES = 16 << 20
@@ -199,6 +255,7 @@ class _Prepared:
     kernel_dir: Path  # the kernel's sockets, connection file and settings (short_kernel_dir)
     duedate: str | None = None  # the course gradebook's, for nbgrader's late penalties
     cleared_flag: str | None = None  # why the instructor cleared this student's tamper flag
+    steps: Steps = dataclasses.field(default_factory=Steps)
 
     @property
     def submitted(self) -> Path:
@@ -240,6 +297,9 @@ def _prepare(job: dict) -> _Prepared:
     config = load_config(work, cell_timeout=job.get("cell_timeout"), source_directory="source",
                          submitted_directory="submitted", autograded_directory="autograded",
                          feedback_directory="feedback", release_directory="release")
+    if job.get("empty_gradebook"):  # rather than nbgrader making a new one (grade.empty_gradebook)
+        shutil.copyfile(job["empty_gradebook"],
+                        config.CourseDirectory.db_url.removeprefix("sqlite:///"))
 
     use_sandbox, sandbox_warning = sandbox.resolve(os.environ.get(SANDBOX_POLICY, "require"))
     autograded = work / "autograded" / student / assignment
@@ -294,12 +354,17 @@ def _audited_cases_build_ddp(slugs) -> bool:
                        "AUDITED_CASES_BUILD_DDP", False) for slug in slugs)
 
 
-def grade_one(job: dict) -> dict:
-    prepared = _prepare(job)
+def grade_one(job: dict, steps: Steps | None = None) -> dict:
+    steps = steps or Steps()
+    with steps("prepare"):
+        prepared = _prepare(job)
+    prepared.steps = steps
     try:
-        return _grade_prepared(prepared)
+        result = _grade_prepared(prepared)
     finally:
         shutil.rmtree(prepared.kernel_dir, ignore_errors=True)
+    result["steps"] = dict(steps.seconds)
+    return result
 
 
 def _grade_prepared(prepared: _Prepared) -> dict:
@@ -318,11 +383,14 @@ def _grade_prepared(prepared: _Prepared) -> dict:
 def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedRanks) -> dict:
     student, assignment, config = prepared.student, prepared.assignment, prepared.config
     submitted, autograded, kernel_dir = prepared.submitted, prepared.autograded, prepared.kernel_dir
+    step = prepared.steps
     api = api_for(config)
-    check(api.generate_assignment(assignment, force=True, create=True), "generate_assignment")
-    if prepared.duedate:
-        _set_due_date(config.CourseDirectory.db_url, assignment, prepared.duedate)
-    autograde = api.autograde(assignment, student, force=True, create=True)
+    with step("generate_assignment"):
+        check(api.generate_assignment(assignment, force=True, create=True), "generate_assignment")
+        if prepared.duedate:
+            _set_due_date(config.CourseDirectory.db_url, assignment, prepared.duedate)
+    with step("autograde (the student's kernel)"):
+        autograde = api.autograde(assignment, student, force=True, create=True)
     status, notes = "graded", [prepared.sandbox_warning] if prepared.sandbox_warning else []
     if prepared.in_kernel:
         notes.append(f"{', '.join(prepared.in_kernel)}: scores from the student's kernel (its "
@@ -334,7 +402,8 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
         notebook = autograded / f"{slug}.ipynb"
         if notebook.exists():
             functions = _graded_functions(prepared.work / "graded_functions" / slug)
-            verdicts = trusted.grade_cells(cells, functions, host, relayed)
+            with step(f"checks of {slug} (outside the kernel)"):
+                verdicts = trusted.grade_cells(cells, functions, host, relayed)
             trusted.record_verdicts(config.CourseDirectory.db_url, assignment, slug, student,
                                     verdicts)
             trusted.annotate(notebook, verdicts)
@@ -344,13 +413,15 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
         for notebook in sorted(autograded.glob("*.ipynb")):
             _open_with_warning(notebook, prepared.sandbox_warning)
     if autograded.exists() and any(autograded.glob("*.ipynb")):
-        check(api.generate_feedback(assignment, student, force=True), "generate_feedback")
+        with step("generate_feedback"):
+            check(api.generate_feedback(assignment, student, force=True), "generate_feedback")
     else:
         status = "dropped by nbgrader"
         timeout = config.Execute.timeout
         box = prepared.kernel_box
-        reasons = [f"{nb.name}: {_diagnose_dropped(nb, timeout, kernel_dir, box)}"
-                   for nb in sorted(submitted.glob("*.ipynb"))]
+        with step("why nbgrader dropped it"):
+            reasons = [f"{nb.name}: {_why_dropped(nb, timeout, kernel_dir, box)}"
+                       for nb in sorted(submitted.glob("*.ipynb"))]
         notes.extend(reasons)
         for nb in sorted(submitted.glob("*.ipynb")):
             write_notice(feedback_dir / f"{nb.stem}.html", student, assignment,
@@ -379,7 +450,8 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
                           "The notebook changes functions that the tests rely on, so its "
                           "test results cannot be trusted; it scores 0 until your instructor "
                           "has reviewed it.\n\n" + "\n".join(flags))
-    _export(config, assignment, student, prepared.work / "grades.csv")
+    with step("export"):
+        _export(config, assignment, student, prepared.work / "grades.csv")
     return {"student": student, "assignment": assignment, "status": status, "score": score,
             "max_score": max_score, "cells": cells, "flags": flags, "notes": notes, "late": late,
             "feedback": str(feedback_dir),
@@ -387,8 +459,13 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
 
 
 def main() -> int:
+    steps = Steps()
+    start_up = seconds_since_process_start()
+    if start_up is not None:  # the interpreter, nbgrader's and the grader's imports
+        steps.seconds["start-up"] = round(start_up, 2)
+        print(f"{TIMING}start-up: {start_up:.2f} s", flush=True)
     job = json.loads(Path(sys.argv[1]).read_text())
-    result = grade_one(job)
+    result = grade_one(job, steps)
     Path(job["result"]).write_text(json.dumps(result, indent=2))
     return 0
 

@@ -25,7 +25,9 @@ import chromium_page
 import nbformat
 import pytest
 from PIL import Image
-from test_autograder import processes_marked
+from test_autograder import (AVERAGE_CELLS, RING_CELLS,
+                             assert_small_feedback_without_hidden_checks, by_grade_id,
+                             processes_marked)
 
 from autograder import grade as grade_module
 from autograder import gradesheet
@@ -351,6 +353,25 @@ def test_the_first_run_grades_both_and_shows_the_missing_notebook(regraded):
     for name, text in pages.items():
         assert f"{ASSIGNMENT}: {oscar - OSCAR_PENALTY:g} of 26 points" in text, name
         assert "<li>allreduce_by_hand: not handed in, 0 of 13</li>" in text, name
+
+
+def test_a_wrong_answer_loses_exactly_the_points_of_its_cells(regraded):
+    """bob's average_gradients sums instead of averaging; his ring is right (the fake class's
+    other students: tests/test_autograder.py)."""
+    first, _, _ = regraded
+    bob = by_grade_id(first["rows"]["bob"])
+    assert all(bob[c] == "0" for c in AVERAGE_CELLS)
+    assert [bob[c] for c in RING_CELLS] == ["2", "2", "2", "3"]
+
+
+def test_the_first_runs_feedback_is_small_and_without_the_hidden_checks(regraded, tmp_path):
+    first, _, _ = regraded
+    for student in STUDENTS:
+        for name, text in first[student].items():
+            if name.endswith(".html"):
+                (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+                (tmp_path / name).write_bytes(text)
+        assert_small_feedback_without_hidden_checks(tmp_path, student)
 
 
 def test_feedback_wraps_its_output_and_names_every_graded_cell(regraded):

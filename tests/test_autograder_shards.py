@@ -23,7 +23,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_autograder import processes_marked
+from test_autograder import (AVERAGE_CELLS, PART2_CELLS, RING_CELLS,
+                             assert_small_feedback_without_hidden_checks, by_grade_id,
+                             processes_marked)
 
 from autograder.__main__ import build_parser, main
 from autograder.grade import _write_csv
@@ -109,6 +111,36 @@ def test_the_merged_csv_is_the_single_runs(runs):
     assert rows[0]["flags"] and "tampering" in rows[0]["notes"]
 
 
+def test_tampering_gains_nothing_and_is_flagged(runs):
+    """mallory patches what the tests use, edits one test cell and deletes another (the fake
+    class's one student graded here alone: tests/test_autograder.py grades the others)."""
+    outs, _, _ = runs
+    mallory = by_grade_id(read_csv(outs["whole"] / "grades.csv")[1][0])
+    assert mallory["student_id"] == "mallory"
+    assert all(call in mallory["flags"] for call in ("dist.all_reduce", "run_ranks", "setattr"))
+    # the edited test cell was restored and the deleted one re-added: both graded, both 0
+    assert mallory["test-average-gradients-two-ranks"] == "0"
+    assert mallory["test-ring-allreduce-world-sizes"] == "0"
+
+
+def test_the_second_notebook_alone_is_graded_and_the_missing_one_scores_zero(runs):
+    """oscar hands in only bucketed_ddp, whose buckets wait for the end of backward."""
+    outs, _, _ = runs
+    oscar = by_grade_id(read_csv(outs["whole"] / "grades.csv")[1][1])
+    assert oscar["student_id"] == "oscar"
+    # no overlap: only the overlap cell is lost; part 1 was not handed in
+    assert [oscar[c] for c in PART2_CELLS] == ["1", "1", "1", "3", "2", "0", "3"]
+    assert all(oscar[c] == "0" for c in AVERAGE_CELLS + RING_CELLS)
+    assert (outs["whole"] / "feedback" / "oscar" / "05_allreduce" / "bucketed_ddp.html").exists()
+
+
+def test_their_feedback_is_small_and_without_the_hidden_checks(runs):
+    outs, merged, _ = runs
+    for out in (outs["whole"], merged):
+        for student in STUDENTS:
+            assert_small_feedback_without_hidden_checks(out, student)
+
+
 def test_the_merged_gradebook_is_the_single_runs(runs):
     """Every student's submission in nbgrader's database: scores per cell, flags (mallory's
     tampering holds her at 0 there as in the CSV)."""
@@ -125,7 +157,8 @@ def test_the_merged_summary_is_the_single_runs(runs):
     whole = json.loads((outs["whole"] / "summary.json").read_text())
 
     def comparable(result, out):
-        return dict(result, seconds=None, feedback=str(Path(result["feedback"]).relative_to(out)))
+        return dict(result, seconds=None, steps=None,  # timings differ from run to run
+                    feedback=str(Path(result["feedback"]).relative_to(out)))
 
     assert [comparable(r, merged) for r in summary["results"]] == [
         comparable(r, outs["whole"]) for r in whole["results"]]
