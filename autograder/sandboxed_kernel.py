@@ -21,6 +21,8 @@ import uuid
 from jupyter_client.manager import AsyncKernelManager
 from traitlets import List, Unicode
 
+from ddpcourse.kernels import FAST_EXIT
+
 
 class SandboxedKernelManager(AsyncKernelManager):
     sandbox_prefix = List(Unicode(), help="The sandbox's command line, up to the wrapped "
@@ -35,7 +37,11 @@ class SandboxedKernelManager(AsyncKernelManager):
         super().write_connection_file(**kwargs)
 
     def format_kernel_cmd(self, extra_arguments=None):
-        return [*self.sandbox_prefix, *super().format_kernel_cmd(extra_arguments)]
+        extra = list(extra_arguments or [])
+        fast_exit = f"--IPKernelApp.exec_lines={[FAST_EXIT]!r}"
+        if fast_exit not in extra:  # nbgrader's executor passes none; ipc_client passes it
+            extra.append(fast_exit)
+        return [*self.sandbox_prefix, *super().format_kernel_cmd(extra)]
 
     @property
     def kernel_spec(self):

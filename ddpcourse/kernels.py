@@ -26,6 +26,15 @@ def ipc_kernel_config(socket_dir: str) -> Config:
     return config
 
 
+# A kernel that imported torch spends seconds of its shutdown in the interpreter's last garbage
+# collections over torch's many objects (2.4-3.5 s against 0.3-0.5 s without torch, measured on
+# 2 busy cores), and the client waits for it after every notebook. Freezing the heap in an atexit
+# handler (registered first, so it runs after torch's own handlers) leaves those objects to the
+# operating system, as a plain ``python -c "import torch"`` exit does; the kernel's outputs are
+# all sent by then.
+FAST_EXIT = "__import__('atexit').register(__import__('gc').freeze)"
+
+
 def ipc_client(nb, socket_dir: str, cwd: Path, timeout: int, kernel_name: str = "python3",
                config: Config | None = None, **client_options) -> NotebookClient:
     """A NotebookClient that starts (and, owning it, shuts down) an IPC kernel in ``cwd``;
@@ -33,7 +42,9 @@ def ipc_client(nb, socket_dir: str, cwd: Path, timeout: int, kernel_name: str = 
     merged = ipc_kernel_config(socket_dir)
     if config is not None:
         merged.merge(config)
-    return NotebookClient(nb, config=merged, kernel_name=kernel_name,
+    extra = list(client_options.pop("extra_arguments", []))
+    extra.append(f"--IPKernelApp.exec_lines={[FAST_EXIT]!r}")
+    return NotebookClient(nb, config=merged, kernel_name=kernel_name, extra_arguments=extra,
                           timeout=timeout, resources={"metadata": {"path": str(cwd)}},
                           **client_options)
 
