@@ -208,3 +208,25 @@ def test_judged_by_the_trusted_grader(host):
     with pytest.raises(CheckFailed, match="count is elements"):
         checks.check_fit_noisy_repeats(submitted(fit(("* count * ITEMSIZE[dtype]", "* count")),
                                                  host))
+
+
+def test_the_benchmarks_fit_alone_does_not_pass_the_hidden_checks():
+    """benchmarks/ch10_allreduce.py fits (bytes, ranks, best seconds) points by the same least
+    squares; a submission that converts the rows and calls it still fails latency-dominated data,
+    where the contract wants β = inf (the benchmark's fit refuses a negative slope)."""
+    def via_benchmark(measurements):
+        from pathlib import Path
+
+        from ddpcourse.imports import import_by_path
+
+        root = Path(checks.__file__).resolve().parents[3]
+        bench = import_by_path("ch10_allreduce_for_a_test",
+                               root / "benchmarks" / "ch10_allreduce.py")
+        sizes = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+        link = bench.fit_alpha_beta([(row["count"] * sizes[row["dtype"]], row["ranks"],
+                                      min(row["time_us"]) * 1e-6) for row in measurements])
+        return link.alpha_s, link.beta_bytes_per_s
+
+    checks.check_fit_noisy_repeats(via_benchmark)
+    with pytest.raises(CheckFailed, match=r"α = 4e-05 s.*raised ValueError"):
+        hidden.check_fit_cost_model(via_benchmark)

@@ -142,8 +142,8 @@ def tune_this_job(model, micro_batches, accumulation_steps, lr):
     s = None
     for seed in range(20):
         guess = case.setting(len(micro_batches), accumulation_steps, rows, seed, lr)
-        if micro_batches and torch.equal(case.micro_batches(guess, case.data_seed_of(guess, rank))[0][0],
-                                         micro_batches[0][0]):
+        mine = case.micro_batches(guess, case.data_seed_of(guess, rank))
+        if micro_batches and torch.equal(mine[0][0], micro_batches[0][0]):
             s = guess
             break
     torch.nn.parallel.DistributedDataParallel(model)  # rank 0's initial state, as DDP gives it
