@@ -409,10 +409,12 @@ else:
 #
 # ### `tune_this_job`: the same training, within a communication budget
 #
-# A colleague's DDP training function, `slow_job`, trains the right model with every slow knob of
-# sections 2 and 3 set wrong. You write `tune_this_job`, the same training (the tests compare the
-# weights with the slow job's numerics) whose all-reduces fit a budget per optimizer step: the
-# gradients' bytes once, in few calls. The tests run it on 1 to 4 ranks and count every
+# A colleague's DDP training function, `slow_job`, trains the right model with the knobs of
+# section 2 set wrong (tiny buckets, `find_unused_parameters` without need, no `no_sync` under
+# accumulation) and a global loss all-reduced for its log on every micro-batch. You write
+# `tune_this_job`, the same training (the tests compare the weights with the slow job's
+# numerics) whose all-reduces fit a budget per optimizer step: the gradients' bytes once, in few
+# calls. The tests run it on 1 to 4 ranks and count every
 # all-reduce call and byte; when the class is graded, the grader's relay between the ranks
 # counts them. Self-check: `pytest exercises/10_performance/tune_this_job.ipynb`.
 #

@@ -62,8 +62,8 @@ setup_notebook("fit_cost_model")
 # latency-dominated data (tiny messages) the times need not grow with the size at all, and β is
 # then infinite (the data show no bandwidth limit), never negative.
 #
-# `chapters/10_performance/allreduce_bandwidth.py` measures such rows on your machine; the
-# `ITEMSIZE` table of the checks gives the bytes per element of each dtype name.
+# `chapters/10_performance/allreduce_bandwidth.py` measures such a sweep on your machine (in
+# bytes and seconds); `ITEMSIZE` below gives the bytes per element of each dtype name.
 
 # %% nbgrader={"grade": false, "grade_id": "fit-cost-model", "locked": false, "schema_version": 3, "solution": true, "task": false}
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
