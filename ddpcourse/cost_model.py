@@ -36,6 +36,11 @@ big layer's gradient arrives at once); communication slows compute down when the
 depend on the message size (protocols switch: NCCL's LL/LL128/Simple; gloo's algorithms); the
 first iteration uses other buckets (DDP rebuilds them after it); stragglers make every rank wait
 for the slowest.
+
+What the module leaves to its users: fitting α and β to a measured sweep (chapter 10's benchmark
+fits its own record; the exercise ``fit_cost_model`` has students fit raw sweep rows), and a
+backward whose gradients arrive unevenly (``step_time`` assumes the steady rate above; the
+exercise's ``predict_step_time`` works from each gradient's measured ready time).
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@
 # | 7. The article's knobs, one row each | this notebook |
 #
 # Launch any script with `torchrun --standalone --nproc_per_node 2 chapters/10_performance/NAME.py`
-# (`throttled_network.py`: `sudo python ...`, it starts its own torchruns).
+# (`throttled_network.py`: `sudo python ...`, it starts its own torchruns). The chapter's two
+# graded exercises (`exercises/10_performance/`) are described at the end.
 
 # %%
 import sys
@@ -400,6 +401,33 @@ else:
 # | `taskset -c 0-7 torchrun ...` "bind to the NUMA node" | wrong for a job: every rank inherits the same mask, so all ranks share cores 0–7. Bind per rank: `torchrun --numa-binding=node` (torch 2.13's `torch/distributed/run.py`) or a per-rank mask. |
 # | `bucket_cap_mb`, `gradient_as_bucket_view`, `static_graph` | section 2 counts buckets; `gradient_as_bucket_view=True` makes each `.grad` a view into its bucket, so gradients are not held twice (section 2, `ddp_knobs.py`: 1.58 MB saved of 3.16 MB, counted); `static_graph` skips the per-step search for unused parameters (chapter 07). |
 # | `torch.backends.cudnn.benchmark` "+15 %" | the article's figure: a GPU convolution knob, unrelated to DDP. |
+#
+# ## Exercises
+#
+# Two graded exercises in `exercises/10_performance/` (nbgrader assignment `10_performance`).
+# Neither is judged by the text of your code, and neither by a clock.
+#
+# ### `tune_this_job`: the same training, within a communication budget
+#
+# A colleague's DDP training function, `slow_job`, trains the right model with the knobs of
+# section 2 set wrong (tiny buckets, `find_unused_parameters` without need, no `no_sync` under
+# accumulation) and a global loss all-reduced for its log on every micro-batch. You write
+# `tune_this_job`, the same training (the tests compare the weights with the slow job's
+# numerics) whose all-reduces fit a budget per optimizer step: the gradients' bytes once, in few
+# calls. The tests run it on 1 to 4 ranks and count every
+# all-reduce call and byte; when the class is graded, the grader's relay between the ranks
+# counts them. Self-check: `pytest exercises/10_performance/tune_this_job.ipynb`.
+#
+# ### `fit_cost_model`: α and β from a sweep, and a step predicted from a profile
+#
+# `fit_cost_model(measurements)` fits α and β to nccl-tests-style rows (elements of a dtype,
+# several timings in microseconds): the units, the best of the repeats, a fit on the relative
+# error (section 1), and the data that cannot tell β. `predict_step_time(...)` predicts a step
+# from α, β and a profile of backward (each gradient's size and ready time): buckets closed at the
+# cap, all-reduces one at a time, what sticks out past backward (section 5; unlike
+# `cm.step_time`, the gradients need not arrive at a steady rate). The tests use generated data
+# with known parameters, noise included. Self-check:
+# `pytest exercises/10_performance/fit_cost_model.ipynb`.
 #
 # ## Summary
 #
