@@ -317,3 +317,81 @@ def test_search_finds_a_lesson(server, browser):
     visit.close()
     assert not problems, problems
     assert any("AllReduce" in hit or "all_reduce" in hit for hit in hits), hits
+
+
+def calculator_grid() -> list[dict]:
+    """Every ZeRO stage and schedule against DP, TP, PP and micro-batch counts of 1 and more;
+    the model's size, precision and optimizer vary along the grid."""
+    import itertools
+
+    sizes = [{"log_parameters": "6", "batch": "1", "sequence": "1", "layers": "3",
+              "hidden": "64", "bytes_per_value": "4", "optimizer_values_per_parameter": "2",
+              "saved_values_per_layer": "1", "tp_allreduces_per_layer": "2"},
+             {"log_parameters": "9.85", "batch": "8", "sequence": "2048", "layers": "32",
+              "hidden": "4096", "bytes_per_value": "2", "optimizer_values_per_parameter": "1",
+              "saved_values_per_layer": "17", "tp_allreduces_per_layer": "4"},
+             {"log_parameters": "11.2", "batch": "5", "sequence": "777", "layers": "96",
+              "hidden": "12288", "bytes_per_value": "4", "optimizer_values_per_parameter": "0",
+              "saved_values_per_layer": "34", "tp_allreduces_per_layer": "2"}]
+    grid = []
+    for i, (zero, dp, tp, pp, micro, schedule) in enumerate(itertools.product(
+            "0123", ("1", "8"), ("1", "4"), ("1", "4"), ("1", "6"), ("1f1b", "gpipe"))):
+        grid.append({**sizes[i % len(sizes)], "zero_stage": zero, "dp": dp, "tp": tp, "pp": pp,
+                     "microbatches": micro, "schedule": schedule})
+    return grid
+
+
+def test_the_calculator_page_computes_what_memory_calculator_estimates(server, browser):
+    """Sliders moved in the page give the numbers of ddpcourse.memory_calculator.estimate, on a
+    grid of inputs; the page shows them as format_bytes does."""
+    from ddpcourse.memory_calculator import estimate, format_bytes
+
+    visit = Visit(browser, f"{server}/calculator.html", server)
+    page = visit.page
+    root = page.locator("#calculator")
+
+    def shown() -> tuple[dict, dict, dict]:
+        """The inputs as the page read them, its numbers, and the sizes it shows."""
+        return page.evaluate("""() => {
+            const root = document.getElementById("calculator");
+            const texts = Object.fromEntries([...root.querySelectorAll("[data-key]")].map(
+                cell => [cell.dataset.key, cell.textContent.trim()]));
+            return [JSON.parse(root.dataset.inputs), JSON.parse(root.dataset.result), texts];
+        }""")
+
+    def compare(inputs, result, texts) -> list[str]:
+        expected = estimate(**inputs)
+        wrong = [f"{inputs}: {key} page {result[key]!r}, estimate {value!r}"
+                 for key, value in expected.items()
+                 if abs(result[key] - value) > 1e-9 * max(1.0, abs(value))]
+        wrong += [f"{inputs}: {key} shown {texts[key]!r}, format_bytes {format_bytes(value)!r}"
+                  for key, value in expected.items() if texts[key] != format_bytes(value)]
+        return wrong
+
+    # a student's moves: a slider stepped with the keyboard, another dragged to a value, a choice
+    before, _, _ = shown()
+    page.locator("#dp").focus()
+    page.keyboard.press("ArrowRight")
+    page.locator("#zero_stage").fill("3")
+    page.locator("#schedule").select_option("gpipe")
+    after, result, texts = shown()
+    assert (after["dp"], after["zero_stage"], after["schedule"]) == (before["dp"] + 1, 3, "gpipe")
+    problems = compare(after, result, texts)
+    # the grid: each case's controls set as the moves above set them (a value, then the input
+    # event the page listens to), in one round trip per case
+    for case in calculator_grid():
+        page.evaluate("""case_ => {
+            for (const [id, value] of Object.entries(case_)) {
+                const control = document.getElementById(id);
+                control.value = value;
+                control.dispatchEvent(new Event("input", {bubbles: true}));
+            }
+        }""", case)
+        inputs, result, texts = shown()
+        assert inputs["parameters"] == round(10 ** float(case["log_parameters"]))
+        assert {k: str(v) for k, v in inputs.items() if k in case} == {
+            k: v for k, v in case.items() if k in inputs}
+        problems += compare(inputs, result, texts)
+    problems += visit.problems
+    visit.close()
+    assert not problems, "\n".join(problems[:20])

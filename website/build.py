@@ -46,6 +46,7 @@ DOCS = {  # (section, [repository files]) in the order of the site's navigation
                         "autograder/PRIVATE_CLASS.md", "slurm/README.md"],
     "For contributors": ["CONTRIBUTING.md"],
 }
+TOOLS = {"11_beyond_ddp": ("calculator", "This chapter's memory and traffic calculator")}
 SCRIPT_SUFFIXES = (".py", ".sh", ".sbatch")
 LANGUAGES = {".py": "python", ".sh": "bash", ".sbatch": "bash", ".yaml": "yaml", ".yml": "yaml",
              ".json": "json", ".toml": "toml", ".cfg": "ini", ".md": "markdown"}
@@ -221,6 +222,9 @@ def stage_lesson(stage: Stage, lesson: Path, built: Built, execute: bool) -> Non
         for script in scripts:
             page = stage.source_page(script.relative_to(ROOT).as_posix())
             lines.append(f"- [`{script.name}`]({Path(page).name})")
+        if lesson.parent.name in TOOLS:
+            page, what = TOOLS[lesson.parent.name]
+            lines += ["", f"{what}, in a page: [{page}](../../{page}.md)."]
         nb.cells.append(nbformat.v4.new_markdown_cell("\n".join(lines)))
     (stage.root / rel).parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, stage.root / rel)

@@ -28,3 +28,4 @@ html_theme_options = {
 html_context = {"default_mode": "light"}
 html_show_sourcelink = False
 html_last_updated_fmt = None
+html_css_files = ["calculator.css"]
