@@ -47,6 +47,7 @@ DOCS = {  # (section, [repository files]) in the order of the site's navigation
     "For contributors": ["CONTRIBUTING.md"],
 }
 TOOLS = {"11_beyond_ddp": ("calculator", "This chapter's memory and traffic calculator")}
+WIDGET = "application/vnd.jupyter.widget-view+json"
 SCRIPT_SUFFIXES = (".py", ".sh", ".sbatch")
 LANGUAGES = {".py": "python", ".sh": "bash", ".sbatch": "bash", ".yaml": "yaml", ".yml": "yaml",
              ".json": "json", ".toml": "toml", ".cfg": "ini", ".md": "markdown"}
@@ -214,6 +215,9 @@ def stage_lesson(stage: Stage, lesson: Path, built: Built, execute: bool) -> Non
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             cell.source = stage.rewrite_links(cell.source, rel)
+        elif cell.cell_type == "code":
+            cell.outputs = [_static_output(o, lesson.parent.name) for o in cell.outputs]
+    nb.metadata.pop("widgets", None)  # their state would bring the widget scripts
     scripts = chapter_scripts(lesson.parent)
     if scripts:
         lines = ["## This chapter's scripts", "",
@@ -229,6 +233,21 @@ def stage_lesson(stage: Stage, lesson: Path, built: Built, execute: bool) -> Non
     (stage.root / rel).parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, stage.root / rel)
     stage.pages.add(rel)
+
+
+def _static_output(output, chapter: str):
+    """``output``, or for an interactive widget (it needs a running kernel, and its scripts come
+    from a CDN) a note that says where to use it instead."""
+    if WIDGET not in output.get("data", {}):
+        return output
+    note = ("This cell's output is an interactive widget: it needs a running kernel. Open the "
+            "notebook in Jupyter to use it")
+    if chapter in TOOLS:
+        page, _ = TOOLS[chapter]
+        note += f', or use <a href="../../{page}.html">the same calculator in a page</a>'
+    return nbformat.v4.new_output("display_data", data={
+        "text/html": f'<p class="widget-note"><em>{note}.</em></p>',
+        "text/plain": output["data"].get("text/plain", "")})
 
 
 def _title(path: Path) -> str:

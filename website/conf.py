@@ -13,6 +13,7 @@ exclude_patterns = ["_includes"]  # parts of pages, included by index.md
 # site never executes a notebook itself, and the exercises are shown as released, empty.
 nb_execution_mode = "off"
 nb_merge_streams = True
+nb_ipywidgets_js = {}  # widgets need a kernel; build.py replaces them with a note (and no CDN)
 myst_heading_anchors = 3  # "#a-heading" links between pages, as GitHub renders them
 suppress_warnings = ["myst.header"]  # notebooks that start at "##" after the title cell
 
