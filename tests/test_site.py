@@ -406,3 +406,18 @@ def test_the_calculator_page_computes_what_memory_calculator_estimates(server, b
     page.screenshot(path=str(SCREENSHOTS / "calculator.png"), full_page=True)
     visit.close()
     assert not problems, "\n".join(problems[:20])
+
+
+def test_links_are_pointed_at_pages_and_never_into_the_solutions(tmp_path):
+    stage = site.Stage(tmp_path)
+    stage.pages.add("autograder/README.md")
+    text = ("[twin](07_training_loop/07_training_loop.nb.py) [script](07_training_loop/train.py#L3) "
+            "[page](../autograder/README.md#top) [answer](../solutions/05_allreduce/bucketed_ddp.ipynb) "
+            "[web](https://pytorch.org/docs) [here](#verdicts)")
+    assert stage.rewrite_links(text, "chapters/CLAIMS.md") == (
+        "[twin](07_training_loop/07_training_loop.ipynb) [script](07_training_loop/train.py.md#L3) "
+        "[page](../autograder/README.md#top) answer "
+        "[web](https://pytorch.org/docs) [here](#verdicts)")
+    assert (tmp_path / "chapters/07_training_loop/train.py").read_text() == (
+        ROOT / "chapters/07_training_loop/train.py").read_text()
+    assert "literalinclude" in (tmp_path / "chapters/07_training_loop/train.py.md").read_text()

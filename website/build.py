@@ -23,6 +23,7 @@ fails the build.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -51,7 +52,8 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 SCRIPT_SUFFIXES = (".py", ".sh", ".sbatch")
 LANGUAGES = {".py": "python", ".sh": "bash", ".sbatch": "bash", ".yaml": "yaml", ".yml": "yaml",
              ".json": "json", ".toml": "toml", ".cfg": "ini", ".md": "markdown"}
-LINK = re.compile(r"(\]\()([^)\s]+)(\))")
+LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")  # [words](target)
+PRIVATE = ("solutions/", "autograder/hidden/")  # never shown on the site
 NOT_EXECUTED = ("```{warning}\nThis page shows the lesson **without its outputs**: it was not "
                 "executed for this build (`python -m website --no-execute`, or its notebook "
                 "failed). Run `python -m website` to execute it, or open the notebook in "
@@ -150,12 +152,14 @@ class Stage:
 
     def rewrite_links(self, text: str, rel: str) -> str:
         """``text`` of the repository file ``rel`` with each relative link pointed at a page: a
-        lesson's text twin (``NN.nb.py``) at its lesson, any other file that is not a page at
-        its source page. A link to nothing is left as it is, and the build fails on it."""
+        lesson's text twin (``NN.nb.py``) at its lesson, a folder at its README's page, any other
+        file that is not a page at its source page. A link into what students must not see
+        (``solutions/``, ``autograder/hidden/``) keeps its text and loses its target. A link to
+        nothing is left as it is, and the build fails on it."""
         base = (ROOT / rel).parent
 
         def repoint(found: re.Match) -> str:
-            target = found.group(2)
+            words, target = found.group(1), found.group(2)
             if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
                 return found.group(0)
             path_part, _, anchor = target.partition("#")
@@ -164,24 +168,26 @@ class Stage:
                 repo_rel = path.relative_to(ROOT).as_posix()
             except ValueError:
                 return found.group(0)
+            if repo_rel.startswith(PRIVATE):
+                return words
             if path.name.endswith(".nb.py"):
-                lesson = path.with_name(path.name[: -len(".nb.py")] + ".ipynb")
-                new = self.root / lesson.relative_to(ROOT)
-            elif repo_rel in self.pages or path.suffix in (".md", ".ipynb") or path.is_dir():
+                new = self.root / repo_rel[: -len(".nb.py")]
+                new = new.with_name(new.name + ".ipynb")
+            elif repo_rel in self.pages:
                 return found.group(0)
+            elif path.is_dir() and f"{repo_rel}/README.md" in self.pages:
+                new = self.root / repo_rel / "README.md"
             elif path.is_file():
                 new = self.root / self.source_page(repo_rel)
             else:
                 return found.group(0)
             relative = Path(_relpath(new, self.root / rel)).as_posix()
-            return f"{found.group(1)}{relative}{'#' + anchor if anchor else ''}{found.group(3)}"
+            return f"[{words}]({relative}{'#' + anchor if anchor else ''})"
 
         return LINK.sub(repoint, text)
 
 
 def _relpath(target: Path, from_file: Path) -> str:
-    import os
-
     return os.path.relpath(target, from_file.parent)
 
 
