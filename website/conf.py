@@ -25,7 +25,7 @@ html_theme_options = {
     "use_download_button": True,
     "home_page_in_toc": True,
 }
-# without it, the theme's colour switcher reads a setting that is not there and logs an error
+# light unless the reader switches: the lessons' figures are drawn on white
 html_context = {"default_mode": "light"}
 html_show_sourcelink = False
 html_last_updated_fmt = None
