@@ -1,7 +1,7 @@
 """Build the course site: ``python -m website`` writes ``build/site/`` (open ``build/site/index.html``).
 
 The site is Sphinx with myst-nb and sphinx-book-theme, all from PyPI, and needs no network: no
-theme, font or script is fetched at build time or when a page is read.
+theme, font or script comes from another host, at build time or when a page is read.
 
 What goes in, from the repository as it is:
 
