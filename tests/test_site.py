@@ -421,3 +421,22 @@ def test_links_are_pointed_at_pages_and_never_into_the_solutions(tmp_path):
     assert (tmp_path / "chapters/07_training_loop/train.py").read_text() == (
         ROOT / "chapters/07_training_loop/train.py").read_text()
     assert "literalinclude" in (tmp_path / "chapters/07_training_loop/train.py.md").read_text()
+
+
+def test_a_lesson_without_a_current_run_is_shown_without_outputs_under_a_banner(tmp_path,
+                                                                                monkeypatch):
+    """--no-execute, or a lesson whose executed copy is of an older version of it."""
+    monkeypatch.setattr(site, "EXECUTED", tmp_path / "executed")
+    lesson = LESSONS[0]
+    stale = nbformat.read(lesson, as_version=4)
+    stale.cells[-1].source += "\n# edited since"
+    site.executed_copy(lesson).parent.mkdir(parents=True)
+    nbformat.write(stale, site.executed_copy(lesson))
+    assert not site.is_current(site.executed_copy(lesson), lesson)
+    built = site.Built(out=tmp_path / "out")
+    site.stage_lesson(site.Stage(tmp_path / "stage"), lesson, built, execute=False)
+    staged = nbformat.read(tmp_path / "stage" / lesson_rel(lesson), as_version=4)
+    assert built.without_outputs == [lesson_rel(lesson)] and not built.executed
+    assert "without its outputs" in staged.cells[1].source
+    nbformat.write(nbformat.read(lesson, as_version=4), site.executed_copy(lesson))
+    assert site.is_current(site.executed_copy(lesson), lesson)
