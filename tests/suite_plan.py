@@ -52,17 +52,21 @@ def needs_a_gpu(item: pytest.Item) -> bool:
                for mark in item.iter_markers("skipif"))
 
 
+# Files whose tests read what the rest of the run made (the site shows the lessons the notebook
+# tests executed): they start after every other file, and wait for what they need.
+READ_THE_RUN = ("tests/test_site.py",)
+
+
 def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
     """The tests, file by file, the files in the order of their wall time in the committed
     profile, longest first (a file not profiled yet counts as long): with ``--dist loadfile``
     and ``--no-loadscope-reorder`` (pyproject.toml) the workers take the files in this order, so
     no long file starts last and keeps one worker busy while the others idle. Within a file the
-    order is kept."""
+    order is kept. The files of :data:`READ_THE_RUN` come last."""
     seconds = suite_profile.recorded_file_seconds()
-    if not seconds:
-        return items
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    order = sorted(files, key=lambda name: -seconds.get(name, float("inf")))
+    order = sorted(files, key=lambda name: (name in READ_THE_RUN,
+                                            -seconds.get(name, float("inf")) if seconds else 0))
     return [item for name in order for item in files[name]]

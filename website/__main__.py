@@ -1,0 +1,5 @@
+import sys
+
+from website.build import main
+
+sys.exit(main())
