@@ -25,9 +25,11 @@ from __future__ import annotations
 import copy
 import math
 import random
+from pathlib import Path
 from typing import Any, Callable
 
 from ddpcourse.grading.checks import Case, CheckFailed, judge_each_rank, observed, run_student
+from ddpcourse.grading.forbidden import call_watching
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
@@ -179,11 +181,24 @@ def describe_call(fn: Callable, args: tuple = (), kwargs: dict | None = None) ->
             "repr": _text(repr(got), 300), "values": values}
 
 
+# The chapter's benchmark fits the lesson's curve with a function the contract asks the student
+# to write (with more to it: rows, units, repeats, edge cases); a call into that file is reported.
+LESSON_FIT = str(Path(__file__).resolve().parents[3] / "benchmarks" / "ch10_allreduce.py")
+
+
 def observe_fit(rank, world_size, fit_cost_model, specs, errors):
-    """Every fit case's and every error case's call, each on its own copy of the rows."""
-    return {"cases": [describe_call(fit_cost_model, (make_measurements(*spec),))
-                      for spec in specs],
-            "errors": [describe_call(fit_cost_model, (rows,)) for rows, _ in errors]}
+    """Every fit case's and every error case's call, each on its own copy of the rows, and the
+    functions of the lesson's benchmark that the calls reached."""
+    def calls():
+        return {"cases": [describe_call(fit_cost_model, (make_measurements(*spec),))
+                          for spec in specs],
+                "errors": [describe_call(fit_cost_model, (rows,)) for rows, _ in errors]}
+
+    watched = call_watching(calls, (), {}, LESSON_FIT, quiet=False)
+    if watched.exception is not None:
+        raise watched.exception
+    return {**watched.result, "lesson_calls": [_text(n, 200) for n in watched.forbidden_calls[:10]],
+            "hook_removed": watched.hook_removed}
 
 
 def observe_steps(rank, world_size, predict_step_time, cases, errors):
@@ -273,7 +288,16 @@ def judge_fits(reference: FitReference, observations, world_size, specs, errors)
     wants = [reference(spec) for spec in specs]
 
     def judge_rank(rank, observation):
-        for spec, want, call in zip(specs, wants, _reported(observation, "cases", len(specs))):
+        calls = _reported(observation, "cases", len(specs))
+        reached = observed(observation, "lesson_calls", list)
+        if reached:
+            raise CheckFailed("fit_cost_model must fit the model itself, not call the lesson's "
+                              f"benchmark: it reached {', '.join(map(str, reached))} "
+                              "(benchmarks/ch10_allreduce.py)")
+        if observed(observation, "hook_removed", bool) is not False:
+            raise CheckFailed("fit_cost_model replaced the grader's profile hook "
+                              "(sys.setprofile), which watches what it calls")
+        for spec, want, call in zip(specs, wants, calls):
             shown = (f"fit_cost_model on {len(spec[2]) * len(spec[3])} rows (α = {spec[0]:g} s, "
                      f"β = {spec[1]:g} B/s, {spec[5]} repeat(s), dtypes {spec[4]})")
             got = _returned_numbers(call, shown, "a tuple of two floats (alpha_s, "
