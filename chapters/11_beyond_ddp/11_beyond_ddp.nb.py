@@ -429,4 +429,8 @@ print("micro-batches held at once per rank (by hand):",
 # 1F1B orders for any number of stages and micro-batches (the grader runs them with send/recv on
 # real ranks, counts their bubble and the activations each stage holds); in
 # `build_2d_groups.ipynb` build the data- and tensor-parallel groups of a 2-D grid with
-# `dist.new_group`. Check yourself with `pytest exercises/11_beyond_ddp` from the repository root.
+# `dist.new_group`; in `tensor_parallel_linear.ipynb` write `ColumnParallelLinear` and
+# `RowParallelLinear` with their collectives (section 4's layers, without DTensor); in
+# `sharded_optimizer.ipynb` write ZeRO-1 yourself, sharing out elements instead of whole tensors
+# (section 3), with the same weights as the unsharded optimizer. Check yourself with
+# `pytest exercises/11_beyond_ddp` from the repository root.
