@@ -361,40 +361,45 @@ print(f"GPUs here: {gpus}; the two-device run needs 2 per rank: "
 #   micro-batches.
 #
 # With every forward and every backward one time slot (messages free), the idle slots are
-# counted from each schedule's timeline and compared with the formula `(p-1)/(m+p-1)`:
+# counted from each schedule's timeline (`ddpcourse.pipeline.timeline`: a step starts when its
+# rank is free and the step it needs has finished) and compared with the formula `(p-1)/(m+p-1)`.
+# The orders below are written out in `pipeline_schedules.json` for the counts this lesson runs;
+# writing them for any `p` and `m` is this chapter's exercise `pipeline_schedule`.
 
 # %%
 import pipeline_by_hand as pp
+from ddpcourse.pipeline import bubble, draw, timeline
 
+print(pp.written_out("1f1b", 4, 6))
 fig, axes = plt.subplots(2, 1, figsize=(11, 4.5))
 for ax, kind in zip(axes, pp.SCHEDULES):
-    slots = pp.timeline(pp.SCHEDULES[kind](4, 6))
-    b = pp.bubble(slots)
-    pp.draw(slots, f"{kind}: p=4, m=6; bubble {b['fraction']:.3f} counted, "
-                   f"{bubble_fraction(4, 6):.3f} by formula; activations held per rank "
-                   f"{b['peak_held']}", ax)
+    slots = timeline(pp.written_out(kind, 4, 6))
+    b = bubble(slots)
+    draw(slots, f"{kind}: p=4, m=6; bubble {b['fraction']:.3f} counted, "
+                f"{bubble_fraction(4, 6):.3f} by formula; activations held per rank "
+                f"{b['peak_held']}", ax)
 fig.tight_layout()
 
 # %%
-print(" p  m   GPipe counted  1F1B counted  formula   peak held GPipe / 1F1B (stage 0)")
-for p in (2, 3, 4):
-    for m in (1, 2, 4, 8):
-        g = pp.bubble(pp.timeline(pp.gpipe(p, m)))
-        f = pp.bubble(pp.timeline(pp.one_f_one_b(p, m)))
-        print(f"{p:>2} {m:>2} {g['fraction']:>14.3f} {f['fraction']:>13.3f} "
-              f"{bubble_fraction(p, m):>8.3f}   {g['peak_held'][0]:>9} / {f['peak_held'][0]}")
+print(" p  m   GPipe counted  1F1B counted  formula   held per rank GPipe / 1F1B")
+for p, m in [(2, 4), (4, 4), (4, 6)]:
+    g = bubble(timeline(pp.written_out("gpipe", p, m)))
+    f = bubble(timeline(pp.written_out("1f1b", p, m)))
+    print(f"{p:>2} {m:>2} {g['fraction']:>14.3f} {f['fraction']:>13.3f} "
+          f"{bubble_fraction(p, m):>8.3f}   {g['peak_held']} / {f['peak_held']}")
 
 # %% [markdown]
 # Both schedules leave the same share idle, exactly `(p-1)/(m+p-1)`: more micro-batches shrink
-# the bubble. 1F1B's gain is memory: the first stage holds `min(p, m)` micro-batches instead of
-# `m`.
+# the bubble. 1F1B's gain is memory: stage `s` holds `min(p-s, m)` micro-batches instead of `m`.
 #
 # The same schedules on real ranks with send/recv (2 stages, 4 micro-batches), then with
 # `torch.distributed.pipelining` (`PipelineStage` and `ScheduleGPipe` / `Schedule1F1B`), against
-# the unsplit model on the whole batch:
+# the unsplit model on the whole batch. (`pipeline_by_hand.py --schedules FILE` runs orders of
+# your own the same way.)
 
 # %%
-pipes = run_ranks(pp.run_all, 2, backend="gloo", timeout=180)
+orders = {kind: pp.written_out(kind, 2, 4) for kind in pp.SCHEDULES}
+pipes = run_ranks(pp.run_all, 2, orders, backend="gloo", timeout=180)
 reference = pp.unsplit(2)
 for label in ("gpipe", "1f1b", "torch_gpipe", "torch_1f1b"):
     err = pp.compare([r[label] for r in pipes], reference)
@@ -417,5 +422,15 @@ print("micro-batches held at once per rank (by hand):",
 # | column-then-row TP equals the dense MLP with one all-reduce each way | section 4, `tensor_parallel_2d.py` |
 # | DDP refuses a DTensor model; FSDP2 over `mesh["dp"]` works; averaging over `mesh["tp"]` silently corrupts | section 5 |
 # | DDP around a multi-device module needs `device_ids=None` | section 6, `ddp_multi_device.py` |
-# | GPipe and 1F1B: bubble `(p-1)/(m+p-1)` counted; 1F1B holds `min(p, m)` micro-batches | section 7, `pipeline_by_hand.py` |
+# | GPipe and 1F1B: bubble `(p-1)/(m+p-1)` counted; 1F1B's stage `s` holds `min(p-s, m)` micro-batches | section 7, `pipeline_by_hand.py` |
 # | hand-written pipelines and `torch.distributed.pipelining` equal the unsplit model | section 7 |
+#
+# **Exercises** (`exercises/11_beyond_ddp/`): in `pipeline_schedule.ipynb` write the GPipe and
+# 1F1B orders for any number of stages and micro-batches (the grader runs them with send/recv on
+# real ranks, counts their bubble and the activations each stage holds); in
+# `build_2d_groups.ipynb` build the data- and tensor-parallel groups of a 2-D grid with
+# `dist.new_group`; in `tensor_parallel_linear.ipynb` write `ColumnParallelLinear` and
+# `RowParallelLinear` with their collectives (section 4's layers, without DTensor); in
+# `sharded_optimizer.ipynb` write ZeRO-1 yourself, sharing out elements instead of whole tensors
+# (section 3), with the same weights as the unsharded optimizer. Check yourself with
+# `pytest exercises/11_beyond_ddp` from the repository root.

@@ -4,7 +4,10 @@
 
 A stack of Linear + Tanh blocks is cut into one stage per rank. The batch is cut into
 ``--microbatches`` micro-batches. Each rank runs its list of steps (``"F3"``: forward of
-micro-batch 3, ``"B3"``: its backward): a forward receives its input from the previous stage
+micro-batch 3, ``"B3"``: its backward) with ``ddpcourse.pipeline.run_steps``. The orders are
+read from ``pipeline_schedules.json`` (written out for 2 and 4 ranks, 4 micro-batches; writing
+them for any count is the exercise ``pipeline_schedule``), or from ``--schedules FILE``, the
+same layout with your own orders. A forward receives its input from the previous stage
 (``dist.recv``) and sends its output to the next (``dist.isend``); a backward receives the
 gradient of its output from the next stage and sends the gradient of its input to the previous.
 Rank 0 prints, for each schedule:
@@ -24,11 +27,15 @@ Exit code 1 if a check fails.
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ddpcourse.pipeline import bubble, run_steps, timeline
 
 WIDTH, BATCH = 16, 8
 
@@ -55,143 +62,35 @@ def loss_fn(out, target):
 
 # ------------------------------------------------------------------------ the two schedules
 
-
-def gpipe(stages: int, microbatches: int) -> list[list[str]]:
-    """Every stage: all forwards, then all backwards (in the same order)."""
-    return [[f"F{i}" for i in range(microbatches)] + [f"B{i}" for i in range(microbatches)]
-            for _ in range(stages)]
+SCHEDULES = ("gpipe", "1f1b")
+WRITTEN_OUT = Path(__file__).with_name("pipeline_schedules.json")
 
 
-def one_f_one_b(stages: int, microbatches: int) -> list[list[str]]:
-    """Stage s: ``p - 1 - s`` warm-up forwards, then one forward and one backward in turn,
-    then the remaining backwards (PipeDream-Flush, Narayanan et al. 2021)."""
-    order = []
-    for s in range(stages):
-        warmup = min(stages - 1 - s, microbatches)
-        steps = [f"F{i}" for i in range(warmup)]
-        forward, backward = warmup, 0
-        while forward < microbatches:
-            steps += [f"F{forward}", f"B{backward}"]
-            forward, backward = forward + 1, backward + 1
-        steps += [f"B{i}" for i in range(backward, microbatches)]
-        order.append(steps)
-    return order
-
-
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
-
-
-def timeline(order: list[list[str]]) -> list[dict[int, str]]:
-    """Each rank's steps placed in unit time slots: a step starts when the rank is free and its
-    inputs exist (forward i of stage s after forward i of stage s-1; backward i after
-    backward i of stage s+1, and at the last stage after its own forward i)."""
-    stages = len(order)
-    done: dict[tuple[int, str], int] = {}  # (stage, step) -> slot it ran in
-    position = [0] * stages
-    free = [0] * stages
-    slots: list[dict[int, str]] = [{} for _ in range(stages)]
-    remaining = sum(len(o) for o in order)
-    while remaining:
-        progressed = False
-        for s in range(stages):
-            if position[s] == len(order[s]):
-                continue
-            step = order[s][position[s]]
-            kind, i = step[0], step[1:]
-            needs = ([(s - 1, f"F{i}")] if kind == "F" and s > 0 else
-                     [(s + 1, f"B{i}")] if kind == "B" and s < stages - 1 else
-                     [(s, f"F{i}")] if kind == "B" else [])
-            if all(n in done for n in needs):
-                start = max([free[s]] + [done[n] + 1 for n in needs])
-                done[(s, step)] = start
-                slots[s][start] = step
-                free[s] = start + 1
-                position[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"deadlock: stages wait on each other at steps {position}")
-    return slots
-
-
-def bubble(slots: list[dict[int, str]]) -> dict:
-    """Idle slots counted from a timeline, the bubble fraction they give, and the most
-    micro-batches whose activations each stage held at once."""
-    makespan = max(max(s) for s in slots) + 1
-    idle = [makespan - len(s) for s in slots]
-    held = []
-    for s in slots:
-        live = peak = 0
-        for slot in sorted(s):
-            live += 1 if s[slot][0] == "F" else -1
-            peak = max(peak, live)
-        held.append(peak)
-    return {"makespan": makespan, "idle": idle,
-            "fraction": sum(idle) / (makespan * len(slots)), "peak_held": held}
-
-
-def draw(slots: list[dict[int, str]], title: str, ax) -> None:
-    """A per-rank timeline: one row per stage, forwards blue, backwards orange, idle blank."""
-    for s, row in enumerate(slots):
-        for slot, step in row.items():
-            ax.barh(s, 1, left=slot, color="tab:blue" if step[0] == "F" else "tab:orange",
-                    edgecolor="white")
-            ax.text(slot + 0.5, s, step, ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(range(len(slots)), [f"rank {s}" for s in range(len(slots))])
-    ax.invert_yaxis()
-    ax.set_xlabel("time slot")
-    ax.set_title(title)
+def written_out(kind: str, stages: int, microbatches: int, path: Path = WRITTEN_OUT) -> list:
+    """The order of ``kind`` ("gpipe" or "1f1b") for ``stages`` ranks and ``microbatches``
+    micro-batches, as written out in ``path``: one list of steps per rank."""
+    table = json.loads(path.read_text())
+    key = f"{kind} p={stages} m={microbatches}"
+    if key not in table:
+        raise SystemExit(f"{path.name} has no {key!r} (it has {sorted(k for k in table if k != 'about')}); "
+                         "pass --schedules FILE with your own pipeline_schedule's orders")
+    return table[key]
 
 
 # ------------------------------------------------------------ running a schedule with send/recv
 
 
-def run_schedule(rank: int, world_size: int, kind: str, microbatches: int = 4) -> dict:
-    """This rank's stage runs its steps with send/recv; returns its gradients (and the loss on
-    the last stage) and the number of messages it sent."""
+def run_schedule(rank: int, world_size: int, order: list[list[str]],
+                 microbatches: int = 4) -> dict:
+    """This rank's stage runs its steps of ``order`` with send/recv (ddpcourse.pipeline.run_steps);
+    returns its gradients, the loss (on the last stage), the messages it sent and the most
+    micro-batches it held at once."""
     blocks = make_blocks(world_size)
     stage = stage_module(blocks, rank, world_size)
     x, y = batch()
-    xs, ys = x.chunk(microbatches), y.chunk(microbatches)
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    pending, sent, loss_total, held, peak = [], 0, 0.0, 0, 0
-    last = rank == world_size - 1
-    for step in SCHEDULES[kind](world_size, microbatches)[rank]:
-        i = int(step[1:])
-        if step[0] == "F":
-            if rank == 0:
-                inp = xs[i]
-            else:
-                inp = torch.empty(xs[i].shape)
-                dist.recv(inp, src=rank - 1)
-                inp.requires_grad_(True)
-            out = stage(inp)
-            inputs[i], held = inp, held + 1
-            peak = max(peak, held)
-            if last:
-                out = loss_fn(out, ys[i])
-                loss_total += out.item()
-            else:
-                pending.append(dist.isend(out.detach(), dst=rank + 1))
-                sent += 1
-            outputs[i] = out
-        else:
-            if last:
-                outputs[i].backward()
-            else:
-                grad = torch.empty(outputs[i].shape)
-                dist.recv(grad, src=rank + 1)
-                outputs[i].backward(grad)
-            if rank > 0:
-                pending.append(dist.isend(inputs[i].grad, dst=rank - 1))
-                sent += 1
-            del inputs[i], outputs[i]
-            held -= 1
-    for work in pending:
-        work.wait()
-    return {"grads": [p.grad.clone() for p in stage.parameters()], "loss": loss_total,
-            "messages": sent, "peak_held": peak}
+    ran = run_steps(stage, order[rank], x.chunk(microbatches), y.chunk(microbatches), loss_fn)
+    return {"grads": [p.grad.clone() for p in stage.parameters()], "loss": ran["loss"],
+            "messages": ran["messages"], "peak_held": ran["peak_held"]}
 
 
 def unsplit(world_size: int) -> dict:
@@ -233,10 +132,13 @@ def compare(results: list[dict], reference: dict) -> dict:
                               for a, b in zip(grads, reference["grads"]))}
 
 
-def run_all(rank: int, world_size: int, microbatches: int = 4) -> dict:
+def run_all(rank: int, world_size: int, orders: dict[str, list[list[str]]],
+            microbatches: int = 4) -> dict:
+    """Each schedule of ``orders`` (kind -> one list of steps per rank) by hand, then the same
+    kind through torch.distributed.pipelining."""
     out = {}
-    for kind in SCHEDULES:
-        out[kind] = run_schedule(rank, world_size, kind, microbatches)
+    for kind, order in orders.items():
+        out[kind] = run_schedule(rank, world_size, order, microbatches)
         out[f"torch_{kind}"] = by_torch_pipelining(rank, world_size, kind, microbatches)
     return out
 
@@ -248,18 +150,22 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--schedules", type=Path, default=WRITTEN_OUT,
+                        help="JSON of the orders to run, keyed 'KIND p=P m=M' (default: the "
+                             "written-out ones)")
     opts = parser.parse_args()
     with process_group(timeout_s=120, backend="gloo") as ctx:
-        mine = run_all(ctx.rank, ctx.world_size, opts.microbatches)
+        p, m = ctx.world_size, opts.microbatches
+        orders = {kind: written_out(kind, p, m, opts.schedules) for kind in SCHEDULES}
+        mine = run_all(ctx.rank, ctx.world_size, orders, m)
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, mine)
         if not ctx.is_main:
             return 0
-        p, m = ctx.world_size, opts.microbatches
         reference = unsplit(p)
         ok = True
-        for kind, schedule in SCHEDULES.items():
-            slots = timeline(schedule(p, m))
+        for kind, order in orders.items():
+            slots = timeline(order)
             b = bubble(slots)
             formula = (p - 1) / (m + p - 1)
             print(f"{kind}: p={p} stages, m={m} micro-batches")
