@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from course_layout import TESTED_TORCH
 
-from ddpcourse.claims import PAGE, Claims, load, parse, problems, render
+from ddpcourse.claims import PAGE, Claims, chapters_of, load, parse, problems, render
 from ddpcourse.claims.__main__ import ERROR, FAILED, HELD, SKIPPED, junit_outcomes, row_result
 from ddpcourse.claims.experiments import CHECKS, NeedsHardware
 
@@ -53,6 +53,20 @@ def test_the_page_states_the_torch_the_course_pins():
 
 def test_every_row_has_an_experiment_or_a_source_and_everything_it_names_exists():
     assert problems(CLAIMS) == []
+
+
+def test_every_chapter_has_its_list_and_its_lesson_links_to_it():
+    """Each lesson ends with a link to its own chapter's list on the page, which exists and
+    names the rows whose experiment the chapter holds."""
+    page = PAGE.read_text()
+    for folder in sorted(p for p in (ROOT / "chapters").iterdir() if p.name[:2].isdigit()):
+        number = folder.name[:2]
+        assert f'<a id="chapter-{number}"></a>' in page, folder.name
+        lesson = (folder / f"{folder.name}.nb.py").read_text()
+        assert f"(../CLAIMS.md#chapter-{number})" in lesson, (
+            f"{folder.name}'s lesson does not link to its list on the claims page")
+    rows_of_ch10 = [c.id for c in CLAIMS.claims if "10" in chapters_of(c)]
+    assert "autocast-halves-allreduce" in rows_of_ch10 and "taskset-numa" in rows_of_ch10
 
 
 def test_the_article_is_covered_section_by_section():

@@ -295,3 +295,6 @@ print("exit code:", doctor.exit_code(results))
 # * Bandwidth depends on message size: latency dominates small messages, which is why DDP sends
 #   gradients in large buckets.
 # * The article's `world_size=1` "bandwidth test" only shows that the library loads.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 00](../CLAIMS.md#chapter-00).

@@ -440,3 +440,6 @@ plt.show()
 #   `torchrun --standalone --nproc_per_node 2 chapters/01_why_ddp/scaling.py` it measures the world
 #   size torchrun gives it (NCCL on GPUs); `--record FILE` writes a reference run like the one
 #   above, with its machine, date, versions, load and command.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 01](../CLAIMS.md#chapter-01).

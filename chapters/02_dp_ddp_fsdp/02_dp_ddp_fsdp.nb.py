@@ -629,3 +629,6 @@ for billions in (1, 3, 7, 13, 70):
 # Scripts: `torchrun --standalone --nproc_per_node 2 chapters/02_dp_ddp_fsdp/memory_per_rank.py`
 # (the table of section 4, with its checks) and
 # `torchrun --standalone --nproc_per_node 2 chapters/02_dp_ddp_fsdp/dp_mechanism.py` (section 1.2).
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 02](../CLAIMS.md#chapter-02).

@@ -486,3 +486,6 @@ for mode in ("c10d", "static"):
 # * Multi-node: the same endpoint on every node (static: `--node_rank`, `--master-addr/port`;
 #   c10d: `--rdzv-endpoint/--rdzv-id`, a TCPStore in an agent, node ranks by sorted (host, agent
 #   pid)); on SLURM derive them from the allocation, one torchrun per node.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 03](../CLAIMS.md#chapter-03).

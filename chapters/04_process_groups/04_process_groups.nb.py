@@ -450,3 +450,6 @@ for i, outcome in enumerate(run_ranks(_demos.everyone_rank0_by_hand, 2, _demos.f
 #   (float16 shows the order); a registered comm hook gets the bucket undivided.
 # * "Everyone is rank 0" fails loudly at start-up (`DistStoreError: wait timeout`); the article's
 #   sanity check prints 6 on 4 ranks.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 04](../CLAIMS.md#chapter-04).

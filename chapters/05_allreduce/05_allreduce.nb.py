@@ -616,3 +616,6 @@ grep_source(dist_utils._sync_params_and_buffers, "_broadcast_coalesced")
 # `bucketed_ddp.ipynb` write `broadcast_parameters` and `BucketedDDP`, your own bucketed DDP whose
 # all-reduces overlap backward. Check yourself with `pytest exercises/05_allreduce` from the
 # repository root (both notebooks), or name one: `pytest exercises/05_allreduce/bucketed_ddp.ipynb`.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 05](../CLAIMS.md#chapter-05).

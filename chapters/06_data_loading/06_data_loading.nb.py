@@ -671,3 +671,6 @@ for fix in ("sampler", "join"):
 # **Exercise** (`exercises/06_data_loading/`): write `shard_indices`, your own version of what
 # `DistributedSampler` returns. Check yourself with `pytest exercises/06_data_loading` from the
 # repository root.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 06](../CLAIMS.md#chapter-06).

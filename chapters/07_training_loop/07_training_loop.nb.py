@@ -2066,3 +2066,6 @@ print("padded evaluation:", tr.problems(
 #   boundaries so that the all-reduces still overlap the backward.
 #
 # `train.py` puts all of it into one script. Chapter 08 makes it survive a crash.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 07](../CLAIMS.md#chapter-07).

@@ -610,3 +610,6 @@ plt.show()
 #
 # Next: chapter 09 debugs what goes wrong anyway: hangs, mismatched collectives, and
 # `TORCH_DISTRIBUTED_DEBUG`.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 08](../CLAIMS.md#chapter-08).

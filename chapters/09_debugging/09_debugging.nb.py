@@ -395,3 +395,6 @@ assert all(outcome.get("ok", True) for outcome in gpu_outcomes.values())
 # * On GPUs: one GPU per rank, set first; NCCL's watchdog and flight recorder for hangs.
 #
 # Next: chapter 10 measures where the time of a DDP step goes.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 09](../CLAIMS.md#chapter-09).

@@ -438,3 +438,6 @@ else:
 # * The α–β model predicts what communication costs and whether it hides under backward; where
 #   it is wrong (shared cores, oversubscribed ranks, size-dependent protocols) it says what to
 #   measure next.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 10](../CLAIMS.md#chapter-10).

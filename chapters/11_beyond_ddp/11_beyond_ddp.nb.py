@@ -434,3 +434,6 @@ print("micro-batches held at once per rank (by hand):",
 # `sharded_optimizer.ipynb` write ZeRO-1 yourself, sharing out elements instead of whole tensors
 # (section 3), with the same weights as the unsharded optimizer. Check yourself with
 # `pytest exercises/11_beyond_ddp` from the repository root.
+#
+# The source article's claims that this chapter's experiments check, each with its verdict and the
+# correct statement: [the claims page, chapter 11](../CLAIMS.md#chapter-11).
