@@ -46,8 +46,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from autograder.broker_requests import (INT32, Request, Violation, check_collective, check_recv,
-                                        check_send, collective_replies, describe, int_field,
-                                        nbytes, parse_header, shape_text, tensor_specs)
+                                        check_send, collective_replies, contribution_sq, describe,
+                                        int_field, nbytes, parse_header, shape_text, tensor_specs)
 from ddpcourse.grading.relay import MAX_HEADER_BYTES, PREFIX, PROTOCOL, frame, tensor_bytes
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather",
@@ -219,7 +219,9 @@ class Broker:
     def log(self, rank: int) -> list[dict]:
         """Every operation ``rank`` asked for, in the order it asked: op, peer, tag, root,
         reduce_op, collective (its number), dtype, shape(s), bytes_sent, bytes_received, status
-        (pending/ok/error), error."""
+        (pending/ok/error), error; and for an all_reduce that completed, ``contribution_sq``: the
+        sum of squares of what the rank handed over (float64; None for integer tensors), so that
+        a judge can tell a gradient from a dummy of zeros of the same size."""
         with self._lock:
             return copy.deepcopy(self._logs[rank])
 
@@ -496,6 +498,9 @@ class Broker:
             for member in group.values():
                 self._release(member)
             try:
+                if req.op == "all_reduce":
+                    for member in group.values():
+                        member.entry["contribution_sq"] = contribution_sq(member)
                 replies = collective_replies([group[r] for r in range(self.world_size)],
                                              self.world_size)
                 for member, specs, parts in replies:
