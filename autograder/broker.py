@@ -46,14 +46,24 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from autograder.broker_requests import (INT32, Request, Violation, check_collective, check_recv,
-                                        check_send, collective_replies, contribution_sq, describe,
-                                        int_field, nbytes, parse_header, shape_text, tensor_specs)
-from ddpcourse.grading.relay import MAX_HEADER_BYTES, PREFIX, PROTOCOL, frame, tensor_bytes
+                                        check_send, collective_replies, describe, int_field,
+                                        nbytes, parse_header, shape_text, tensor_specs)
+from ddpcourse.grading.relay import (MAX_HEADER_BYTES, PREFIX, PROTOCOL, frame, tensor_bytes,
+                                     tensors_from)
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather",
                "scatter", "all_to_all", "barrier")
 POINT_TO_POINT = ("send", "recv")
 _READ_BUDGET = 8 << 20  # bytes read from one rank per wake-up, so one rank cannot starve others
+
+
+def contribution_sq(req: Request) -> float | None:
+    """The sum of squares of the tensors a rank handed to a collective, in float64 (None for
+    integer tensors): what a judge compares with the gradient it expects that rank to reduce."""
+    tensors = tensors_from(req.payload, req.tensors)
+    if not tensors or not all(t.is_floating_point() for t in tensors):
+        return None
+    return float(sum(t.double().square().sum() for t in tensors))
 
 
 @dataclass

@@ -140,15 +140,6 @@ def describe(req: Request) -> str:
         parts.append(f"root={root}")
     return f"{op}({', '.join(parts)})"
 
-def contribution_sq(req: Request) -> float | None:
-    """The sum of squares of the tensors a rank handed to a collective, in float64 (None for
-    integer tensors): what a judge compares with the gradient it expects that rank to reduce."""
-    tensors = tensors_from(req.payload, req.tensors)
-    if not tensors or not all(t.is_floating_point() for t in tensors):
-        return None
-    return float(sum(t.double().square().sum() for t in tensors))
-
-
 def collective_replies(reqs: list[Request], world_size: int) -> list[tuple[Request, list, list]]:
     """The reply to every rank of one collective, once all have called it (in rank order):
     (request, specs of the tensors sent back, their payloads). ValueError if they cannot agree."""
