@@ -54,7 +54,7 @@ from torch.nn import functional as F
 from ddpcourse.grading.checks import (Case, CheckFailed, cut_text, every_ranks_calls,
                                       judge_each_rank, observed, reported_tensors, run_student,
                                       safe_text, type_name)
-from ddpcourse.grading.written_out import differs_from, expect_digest
+from ddpcourse.grading.written_out import differs_from
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 ATOL, RTOL = 1e-5, 1e-5  # on the weights
