@@ -48,12 +48,22 @@ from dataclasses import dataclass, field
 from autograder.broker_requests import (INT32, Request, Violation, check_collective, check_recv,
                                         check_send, collective_replies, describe, int_field,
                                         nbytes, parse_header, shape_text, tensor_specs)
-from ddpcourse.grading.relay import MAX_HEADER_BYTES, PREFIX, PROTOCOL, frame, tensor_bytes
+from ddpcourse.grading.relay import (MAX_HEADER_BYTES, PREFIX, PROTOCOL, frame, tensor_bytes,
+                                     tensors_from)
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "gather",
                "scatter", "all_to_all", "barrier")
 POINT_TO_POINT = ("send", "recv")
 _READ_BUDGET = 8 << 20  # bytes read from one rank per wake-up, so one rank cannot starve others
+
+
+def contribution_sq(req: Request) -> float | None:
+    """The sum of squares of the tensors a rank handed to a collective, in float64 (None for
+    integer tensors): what a judge compares with the gradient it expects that rank to reduce."""
+    tensors = tensors_from(req.payload, req.tensors)
+    if not tensors or not all(t.is_floating_point() for t in tensors):
+        return None
+    return float(sum(t.double().square().sum() for t in tensors))
 
 
 @dataclass
@@ -219,7 +229,9 @@ class Broker:
     def log(self, rank: int) -> list[dict]:
         """Every operation ``rank`` asked for, in the order it asked: op, peer, tag, root,
         reduce_op, collective (its number), dtype, shape(s), bytes_sent, bytes_received, status
-        (pending/ok/error), error."""
+        (pending/ok/error), error; and for an all_reduce that completed, ``contribution_sq``: the
+        sum of squares of what the rank handed over (float64; None for integer tensors), so that
+        a judge can tell a gradient from a dummy of zeros of the same size."""
         with self._lock:
             return copy.deepcopy(self._logs[rank])
 
@@ -496,6 +508,9 @@ class Broker:
             for member in group.values():
                 self._release(member)
             try:
+                if req.op == "all_reduce":
+                    for member in group.values():
+                        member.entry["contribution_sq"] = contribution_sq(member)
                 replies = collective_replies([group[r] for r in range(self.world_size)],
                                              self.world_size)
                 for member, specs, parts in replies:

@@ -38,12 +38,19 @@ BROKER_GRACE_S = 5.0  # the broker fails a waiting operation after the ranks' ow
 def traffic_of(broker: Broker, rank: int) -> dict:
     """What ``rank`` did on the wire, in the form of :func:`ddpcourse.grading.checks.audited_traffic`:
     the collectives it called, the bytes it sent point to point, and every collective in order
-    with the bytes it handed over."""
+    with the bytes it handed over; and, where it all-reduced, ``all_reduce_contributions``, the
+    sum of squares of what the rank handed to each all_reduce, in order (None: integer tensors,
+    or a call that never completed), which only the broker can see: judges of gradient synchronisation compare it
+    with the gradients they expect, so that a dummy of zeros does not count as one."""
     log = broker.log(rank)
-    return {"collectives": sorted({e["op"] for e in log if e["op"] in COLLECTIVES}),
-            "bytes_sent": sum(e["bytes_sent"] for e in log if e["op"] == "send"),
-            "collective_calls": [[e["op"], e["bytes_sent"]] for e in log
-                                 if e["op"] in COLLECTIVES]}
+    traffic = {"collectives": sorted({e["op"] for e in log if e["op"] in COLLECTIVES}),
+               "bytes_sent": sum(e["bytes_sent"] for e in log if e["op"] == "send"),
+               "collective_calls": [[e["op"], e["bytes_sent"]] for e in log
+                                    if e["op"] in COLLECTIVES]}
+    contributions = [e.get("contribution_sq") for e in log if e["op"] == "all_reduce"]
+    if contributions:  # only then: the traffic of a case without all-reduces is as it was
+        traffic["all_reduce_contributions"] = contributions
+    return traffic
 
 
 class RelayedRanks:

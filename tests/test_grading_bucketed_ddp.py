@@ -224,16 +224,20 @@ def honest_broadcast_report(world_size):
 
 
 def honest_training_report(world_size, bucket_cap_mb, steps, planner=checks.written_out_plan):
-    reference = checks.one_process(planner, world_size, bucket_cap_mb, "plain", torch.float32, 0,
-                                   steps)
-    plan = reference.plan
+    """What every rank reports when right: each rank's own gradient here is one process's (the
+    same on every rank, so their mean is one process's gradient too)."""
+    state, grads, weights = hidden.one_process(world_size, "plain", torch.float32, 0, steps)
+    rank0 = checks.reference_net("plain", torch.float32, 0)
+    plan = checks.BucketPlan(rank0, planner(rank0, bucket_cap_mb))
     return {"is_module": True, "construction_collectives": ["broadcast_"],
             "broadcast_parameters_called": True,
-            "state": reference.state, "weights": reference.weights,
+            "state": state, "weights": weights,
             "steps": [{"returned": "None", "allreduce_bytes": list(plan.bucket_bytes),
                        "other_collectives": [], "launched_at_input": [plan.early],
-                       "launched_in_backward": len(plan.with_grad), "grads": grads}
-                      for grads in reference.grads]}
+                       "launched_in_backward": len(plan.with_grad), "grads": step_grads,
+                       "own_grads": {name: None if g is None else g.clone()
+                                     for name, g in step_grads.items()}}
+                      for step_grads in grads]}
 
 
 BROADCAST_DAMAGE = [
@@ -254,7 +258,39 @@ TRAINING_DAMAGE = [
     (("steps", 0, "grads", "out.bias"), torch.zeros(2, 2, dtype=torch.complex64)),
     (("steps", 1, "grads", "out.bias"), torch.zeros(3).to_sparse()),
     (("weights",), [1]), (("weights", "out.bias"), None),
+    (("steps", 0, "own_grads"), None), (("steps", 1, "own_grads", "out.bias"), "x"),
 ]
+
+
+def test_the_mean_of_the_ranks_own_gradients_is_one_process():
+    """The visible judge holds no one-process run: it expects the mean of the gradients each
+    rank's grader-owned copy computes on the rank's share, and rank 0's state moved by them. Here
+    that is held to one process on the whole batch (3 ranks, 2 steps)."""
+    world_size, steps = 3, 2
+    state, grads, weights = hidden.one_process(world_size, "plain", torch.float32, 0, steps)
+    x_all, y_all = checks.global_batch(world_size, torch.float32, 0)
+    models = [checks.reference_net("plain", torch.float32, 0) for _ in range(world_size)]
+    shadow = checks.reference_net("plain", torch.float32, 0)
+    reports = [{"steps": []} for _ in range(world_size)]
+    for _ in range(steps):
+        for rank, model in enumerate(models):
+            share = slice(rank * checks.ROWS_PER_RANK, (rank + 1) * checks.ROWS_PER_RANK)
+            own = checks.own_gradients(shadow, model, x_all[share], y_all[share])
+            reports[rank]["steps"].append({"own_grads": own})
+        mean = checks.mean_of_own_gradients(reports, len(reports[0]["steps"]),
+                                            dict(shadow.named_parameters()))[-1]
+        for model in models:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.add_(mean[name], alpha=-checks.LR)
+    means = checks.mean_of_own_gradients(reports, steps, dict(shadow.named_parameters()))
+    for step in range(steps):
+        for name, grad in grads[step].items():
+            torch.testing.assert_close(means[step][name], grad, rtol=1e-5, atol=1e-6)
+    final = checks.sgd_from(state, means)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-5, atol=1e-6)
+    assert not hasattr(checks, "one_process")
 
 
 def test_honest_reports_pass_the_judges():

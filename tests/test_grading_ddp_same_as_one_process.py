@@ -15,6 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from autograder.hidden import ddp_same_as_one_process as hidden
+from ddpcourse.grading.written_out import digests
+from written_out_values import assert_digests_close
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import ddp_same_as_one_process as checks
@@ -205,7 +207,8 @@ def test_the_trusted_grader_catches(host, wrong, check, message):
 
 
 def honest_report(world_size, rank, rows=8, steps=5, lr=0.1, seed=0):
-    x, _start, reference = checks.reference_run("tiny", rows, steps, lr, seed)
+    x, _ = checks.make_batch(rows, seed)
+    reference = hidden.reference_run("tiny", rows, steps, lr, seed)
     k = rows // world_size
     return {"returned": checks.RETURNED_MODEL, "returned_module": True, "forward_calls": steps,
             "inputs": [x[rank * k:(rank + 1) * k].clone() for _ in range(steps)],
@@ -227,6 +230,31 @@ TRAINING_DAMAGE = [
 UNEVEN_DAMAGE = [((), None), ((), {}), (("raised",), 3), (("raised",), None),
                  (("value_error",), "yes"), (("value_error",), False),
                  (("message",), None)]
+
+
+def test_every_written_out_weight_is_the_reference_runs():
+    """The visible checks hold no one-process training (it yields the answer): the visible case's
+    weights are written out as digests, held here to the hidden checks' reference run."""
+    assert checks.VISIBLE_WEIGHTS
+    for (kind, rows, steps, lr, seed), written in checks.VISIBLE_WEIGHTS.items():
+        assert_digests_close(written, digests(hidden.reference_run(kind, rows, steps, lr, seed)))
+    for name in ("reference_run", "train_single_process"):
+        assert not hasattr(checks, name)
+
+
+def test_the_visible_judge_refuses_a_case_without_written_out_weights():
+    reports = [honest_report(2, rank, steps=4) for rank in range(2)]
+    with pytest.raises(LookupError, match="grader bug: no written-out weights"):
+        checks.judge_ddp(reports, 2, "tiny", 8, 4)
+
+
+def test_the_written_out_digest_catches_one_step_fewer():
+    reports = [honest_report(2, rank) for rank in range(2)]
+    fewer = hidden.reference_run("tiny", 8, 4, 0.1, 0)
+    for report in reports:
+        report["state"] = {name: t.clone() for name, t in fewer.items()}
+    with pytest.raises(CheckFailed, match="is not what one process gets.*its sum is"):
+        checks.judge_ddp(reports, 2)
 
 
 def test_honest_reports_pass_the_judges():

@@ -24,6 +24,7 @@ from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import fix_the_loop as checks
 from rank_lines import names_ranks_first, ranks_named
 from trusted_path import altered, submitted
+from written_out_values import assert_digests_close
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 # This module's functions travel to the ranks by value, as a notebook's do: a rank never imports
@@ -255,11 +256,11 @@ def test_the_replay_of_the_right_loop_is_one_process():
     the mistakes it names are different from it: replaying is a fair witness."""
     for world_size, situation in ((2, checks.VISIBLE[0]), (4, hidden.SITUATIONS[4][0])):
         situation = checks.Situation(*situation)
-        expected = checks.expected_for(world_size, situation)
-        right = checks.replay(checks.Mistake(), world_size, situation, expected)
+        expected = hidden.expected_for(world_size, situation)
+        right = hidden.replay(checks.Mistake(), world_size, situation, expected)
         assert all(checks._close(rank, expected.reference) for rank in right)
         for mistake in checks.MISTAKES:
-            replayed = checks.replay(mistake, world_size, situation, expected)
+            replayed = hidden.replay(mistake, world_size, situation, expected)
             assert not checks._close(replayed[0], expected.reference), mistake
 
 
@@ -309,7 +310,7 @@ SITUATION = (4, 3, 0.5, 0)
 
 @functools.lru_cache(maxsize=None)
 def _expected(world_size):
-    return checks.expected_for(world_size, checks.Situation(*SITUATION))
+    return hidden.expected_for(world_size, checks.Situation(*SITUATION))
 
 
 def honest_report(world_size, rank):
@@ -344,7 +345,33 @@ DAMAGE = [
 
 
 def test_honest_reports_pass_the_judge():
-    checks.judge_training([honest_report(2, rank) for rank in range(2)], 2, [SITUATION])
+    hidden.judge_with_reference([honest_report(2, rank) for rank in range(2)], 2, [SITUATION])
+
+
+def test_every_written_out_result_is_the_reference_and_replays():
+    """The visible checks hold neither the one-process training nor the replay of the mistakes
+    (replaying the right loop is the answer): each visible situation's results are written out,
+    held here to the hidden checks' reference and replay."""
+    assert {(2, *situation) for situation in checks.VISIBLE} == set(checks.VISIBLE_EXPECTED)
+    for situation in checks.VISIBLE:
+        written = checks.VISIBLE_EXPECTED[(2, *situation)]
+        entry = hidden.written_out_entry(2, checks.Situation(*situation))
+        for module in checks.MODULES:
+            assert_digests_close(written["reference"][module], entry["reference"][module])
+        assert written["losses"] == pytest.approx(entry["losses"], rel=1e-6, abs=1e-7)
+        for mine, theirs in zip(written["own_losses"], entry["own_losses"], strict=True):
+            assert mine == pytest.approx(theirs, rel=1e-6, abs=1e-7)
+        assert written["moved"] == pytest.approx(entry["moved"], rel=1e-5)
+        assert [index for index, _ in written["mistakes"]] == [i for i, _ in entry["mistakes"]]
+        for (_, mine), (_, theirs) in zip(written["mistakes"], entry["mistakes"]):
+            assert_digests_close(dict(enumerate(mine)), dict(enumerate(theirs)))
+    for name in ("expected_for", "replay", "_diagnosis"):
+        assert not hasattr(checks, name)
+
+
+def test_the_visible_judge_refuses_a_situation_without_a_written_out_result():
+    with pytest.raises(LookupError, match="grader bug: no written-out result"):
+        checks.judge_training([honest_report(2, rank) for rank in range(2)], 2, [SITUATION])
 
 
 @pytest.mark.parametrize("path, value", DAMAGE, ids=lambda v: repr(v)[:40])
@@ -354,6 +381,6 @@ def test_malformed_reports_fail_the_rank_instead_of_crashing_the_judge(path, val
     reports = [honest_report(2, rank) for rank in range(2)]
     reports[1] = altered(reports[1], path, value)
     with pytest.raises(CheckFailed) as failed:
-        checks.judge_training(reports, 2, [SITUATION])
+        hidden.judge_with_reference(reports, 2, [SITUATION])
     message = str(failed.value)
     assert message.startswith("rank 1:") and "rank 0:" not in message and len(message) < 5000

@@ -138,6 +138,38 @@ def test_right_solutions_pass_every_check():
     hidden.check_evaluate(RIGHT_FLOAT32_CONTIGUOUS)
 
 
+VISIBLE_SITUATIONS = {  # world size: the situations of the visible checks
+    2: [checks.situation(11, 4, seed=1), checks.situation(8, 3, seed=2, mode="eval",
+                                                          labels="tensor"),
+        checks.situation(5, 64, seed=5), checks.situation(7, 1, seed=6)],
+    3: [checks.situation(10, 4, seed=3), checks.situation(14, 5, seed=4, mode="eval",
+                                                          labels="tensor"),
+        checks.situation(2, 1, seed=7), checks.situation(13, 2, seed=8),
+        checks.situation(10, 3, seed=9, ddp=True),
+        checks.situation(7, 2, seed=10, mode="eval", ddp=True)],
+}
+
+
+def test_every_written_out_value_is_the_references():
+    """The visible checks hold no evaluation of the model (it is the answer): each visible
+    situation's per-sample losses and correctness are written out, held here to the hidden
+    checks' one-process reference."""
+    keys = {checks.situation_key(s) for situations in VISIBLE_SITUATIONS.values()
+            for s in situations}
+    assert keys == set(checks.VISIBLE_VALUES)
+    for situations in VISIBLE_SITUATIONS.values():
+        for s in situations:
+            written, reference = checks.written_out_values(s), hidden.reference_values(s)
+            assert written["count"] == reference["count"]
+            assert written["correct"] == reference["correct"]
+            assert torch.equal(written["correct_each"], reference["correct_each"])
+            assert torch.allclose(written["losses"], reference["losses"], rtol=1e-9, atol=0)
+            assert written["loss"] == pytest.approx(reference["loss"], rel=1e-9)
+    assert not hasattr(checks, "reference")
+    with pytest.raises(LookupError, match="grader bug: no written-out values"):
+        checks.written_out_values(checks.situation(9, 2, seed=99))
+
+
 VISIBLE = {"matches": checks.check_evaluate_matches_one_process,
            "once": checks.check_evaluate_counts_each_sample_once,
            "ddp": checks.check_evaluate_with_a_ddp_model}
@@ -177,7 +209,7 @@ def test_every_rank_evaluating_everything_gives_the_right_numbers_only_the_rows_
     wrong = make(share="everything", combine="everything")
     s = checks.situation(11, 4, seed=1)
     observations = run_ranks(checks.observe_evaluate, 2, wrong, [s], timeout=30, seed=0)
-    ref = checks.reference(s)
+    ref = hidden.reference(s)
     for observation in observations:
         values = observation["calls"][0]["result"]["values"]
         assert values["count"]["number"] == 11
@@ -334,7 +366,7 @@ def honest_reports(world_size=2):
     for rank in range(world_size):
         calls = []
         for s in REPORT_SITUATIONS:
-            ref = checks.reference(s)
+            ref = hidden.reference(s)
             mine = list(range(rank, ref["count"], world_size))
             batches = [mine[i:i + s["batch_size"]] for i in range(0, len(mine), s["batch_size"])]
             n = ref["count"]
@@ -446,7 +478,7 @@ def test_the_loss_tolerance_accepts_float32_sums_and_rejects_the_mean_of_rank_me
     situations = situations_of_every_check()
     assert len(situations) == 24
     for world_size, s in situations:
-        ref = checks.reference(s)  # raises on a near tie
+        ref = hidden.reference(s)  # raises on a near tie
         n = ref["count"]
         if n == 0:
             continue

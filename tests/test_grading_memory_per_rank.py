@@ -156,8 +156,20 @@ def test_the_trusted_grader_catches(host, wrong, check, message):
 # --- the judges read the ranks' reports as untrusted data ----------------------------------
 
 
+def test_the_written_out_measurement_is_a_fresh_one():
+    """The visible checks hold no measurement (it yields the answer of any model): the visible
+    case's bytes are written out, held here to the hidden checks' measurement."""
+    for (names, strategies, world_size), written in checks.VISIBLE_MEASURED.items():
+        specs = [{"even": checks.EVEN, "uneven": checks.UNEVEN,
+                  "float64": checks.DOUBLE}[name] for name in names]
+        assert written == hidden.measured_bytes(specs, strategies, world_size)
+    assert ((("even",), checks.STRATEGIES, 2)) in checks.VISIBLE_MEASURED
+    for name in ("measured_bytes", "measure_ddp", "measure_fsdp", "count_held"):
+        assert not hasattr(checks, name)
+
+
 def honest_memory_report(world_size, rank):
-    measured = checks.measured_bytes([checks.EVEN], checks.STRATEGIES, world_size)[rank]
+    measured = hidden.measured_bytes([checks.EVEN], checks.STRATEGIES, world_size)[rank]
     return {"predictions": {key: {"raised": None, "type": "dict", "repr": repr(held),
                                   "entries": [[k, "int", v] for k, v in held.items()]}
                             for key, held in measured.items()}}

@@ -175,11 +175,29 @@ def test_the_hidden_checks_catch_what_the_visible_ones_miss():
             hidden.check_shard_indices(wrong)
 
 
+def test_every_written_out_list_is_the_samplers():
+    """The visible checks hold no sampler (it is the answer): the lists of their situations are
+    written out, held here to torch's own; and every situation they run has its lists."""
+    keys = set()
+    for cases in (checks.NO_SHUFFLE, checks.SHUFFLED, checks.DROP_LAST):
+        for world_size in (2, 3):
+            for n, kwargs in cases:
+                for rank in range(world_size):
+                    key = checks.situation_key(n, world_size, rank, kwargs)
+                    assert checks.VISIBLE_SHARDS[key] == hidden.reference_indices(
+                        n, world_size, rank, **kwargs), key
+                    keys.add(key)
+    assert keys == set(checks.VISIBLE_SHARDS)
+    assert not hasattr(checks, "reference_indices")
+    with pytest.raises(LookupError, match="grader bug: no written-out index list"):
+        checks.written_out_indices(12, 2, 0, {})
+
+
 def test_the_sampler_behaves_as_the_task_says():
     """Backs the task text: padding repeats the start (several passes when needed), drop_last
     keeps len // n per rank, an empty dataset is accepted, num_replicas < 1 is a ValueError."""
     def shards(n, world, **kwargs):
-        return [checks.reference_indices(n, world, r, **kwargs) for r in range(world)]
+        return [hidden.reference_indices(n, world, r, **kwargs) for r in range(world)]
 
     assert shards(10, 3, shuffle=False) == [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]
     assert shards(1, 4) == [[0]] * 4
@@ -189,10 +207,10 @@ def test_the_sampler_behaves_as_the_task_says():
     g = torch.Generator()
     g.manual_seed(5 + 2)
     permutation = torch.randperm(7, generator=g).tolist()
-    assert checks.reference_indices(7, 1, 0, seed=5, epoch=2) == permutation
+    assert hidden.reference_indices(7, 1, 0, seed=5, epoch=2) == permutation
     for args in [(10, 0, 0), (10, -2, 0), (10, 2, 2), (10, 2, -1)]:
         with pytest.raises(ValueError):
-            checks.reference_indices(*args)
+            hidden.reference_indices(*args)
 
 
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from autograder.hidden import survive_a_killed_worker as hidden
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import survive_a_killed_worker as checks
+from ddpcourse.grading.written_out import digests
 from trusted_path import altered, submitted
+from written_out_values import assert_digests_close
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 # The loops below travel by value, also from a rank on to the torchrun workers it launches,
@@ -37,7 +39,7 @@ def make_train(resume=True, rng="each", optimizer=True, first="next", hook="afte
     rank, or "none". optimizer: restore it. first: continue with the "next" step or "same"
     (the saved step again). hook: call on_step "after-save" or "before-save". write: rank 0
     writes "atomic"ally, "direct"ly onto the path, or every rank writes a file of its own
-    ("per-rank", no barrier)."""
+    ("per-rank", no barrier), or rank 0 writes atomically but nobody waits ("no-barrier")."""
     def train(ddp_model, optimizer_, batch_at, total_steps, checkpoint_dir, checkpoint_every,
               on_step):
         rank = dist.get_rank()
@@ -71,7 +73,7 @@ def make_train(resume=True, rng="each", optimizer=True, first="next", hook="afte
                     with os.fdopen(handle, "wb") as file:
                         torch.save(state, file)
                     os.replace(temporary, path if rank == 0 else f"{path}.{rank}")
-                if write != "per-rank":
+                if write not in ("per-rank", "no-barrier"):
                     dist.barrier()
             if hook == "after-save":
                 on_step(step)
@@ -83,7 +85,32 @@ STOP = checks.setting(seed=1, total_steps=7, every=2, stops=(5,))
 
 
 def stopped(train, s=STOP, world_size=2):
-    return run_student(checks.STOPPED, world_size, train, s)
+    """Judged bit for bit, with the hidden checks' reference (any situation)."""
+    return run_student(hidden.STOPPED, world_size, train, s)
+
+
+def test_every_written_out_weight_is_the_uninterrupted_runs():
+    """The visible checks hold no uninterrupted run (it yields the answer): the final weights of
+    their situations are written out as digests, held here to the hidden checks' reference."""
+    visible = [STOP, checks.setting(seed=2, total_steps=8, every=3, fault="kill", fault_rank=1,
+                                    fault_step=5)]
+    assert {checks.situation_key(s) for s in visible} == set(checks.VISIBLE_WEIGHTS)
+    for s in visible:
+        assert_digests_close(checks.written_out_weights(s),
+                             digests(hidden.uninterrupted_weights(s)))
+    assert not hasattr(checks, "uninterrupted_weights")
+    with pytest.raises(LookupError, match="grader bug: no written-out weights"):
+        checks.written_out_weights(checks.setting(seed=99))
+
+
+def test_the_visible_judge_compares_with_the_written_out_weights():
+    reports = stopped(RIGHT)
+    checks.judge_stopped(reports, 2, STOP)
+    wrong = reports[1]["final"]["3.bias"] + 1e-3
+    with pytest.raises(CheckFailed, match=r"final weights differ from an uninterrupted run "
+                                          r"\('3.bias'\): its sum is"):
+        checks.judge_stopped([reports[0], altered(reports[1], ["final", "3.bias"], wrong)], 2,
+                             STOP)
 
 
 def test_the_right_loop_passes_every_check_without_torchrun():
@@ -119,7 +146,7 @@ def test_a_killed_worker_really_restarts_the_group_and_the_resumed_run_is_judged
     attempt 1, the steps redone from the last checkpoint, the right weights; the same report
     with other weights or other steps fails."""
     s = checks.setting(seed=2, total_steps=6, every=2, fault="kill", fault_rank=1, fault_step=3)
-    [report] = run_student(checks.KILLED, 1, RIGHT, s, timeout=checks.LAUNCH_TIMEOUT_S + 30)
+    [report] = run_student(hidden.KILLED, 1, RIGHT, s, timeout=checks.LAUNCH_TIMEOUT_S + 30)
     events = report["events"]
     killed = [e for e in events if e["event"] == "kill"]
     assert [(e["attempt"], e["rank"], e["step"]) for e in killed] == [(0, 1, 3)]
@@ -132,13 +159,33 @@ def test_a_killed_worker_really_restarts_the_group_and_the_resumed_run_is_judged
     nudged = report["final"]["0.weight"].clone()
     nudged[0, 0] = torch.nextafter(nudged[0, 0], torch.tensor(1.0))
     with pytest.raises(CheckFailed, match="SIGKILLed after step 3.*final weights differ"):
-        checks.judge_killed([altered(report, ["final", "0.weight"], nudged)], 1, s)
+        hidden.judge_killed_bit_for_bit([altered(report, ["final", "0.weight"], nudged)], 1, s)
     from_scratch = [e | {"step": e["step"] - 2} if e["attempt"] == 1 and e["event"] == "step"
                     else e for e in events]
     with pytest.raises(CheckFailed, match="rank 0 after the restart: started again from step 1"):
-        checks.judge_killed([report | {"events": from_scratch}], 1, s)
+        hidden.judge_killed_bit_for_bit([report | {"events": from_scratch}], 1, s)
     with pytest.raises(CheckFailed, match="exited with code 1"):
-        checks.judge_killed([report | {"returncode": 1}], 1, s)
+        hidden.judge_killed_bit_for_bit([report | {"returncode": 1}], 1, s)
+
+
+@pytest.mark.parametrize("train, message", [
+    (RIGHT, None),
+    (make_train(write="direct"), "at the checkpoint of step 2, rank 0 moved no file into place"),
+    (make_train(write="no-barrier"), r"rank\(s\) \[1\] went on past step 4 while rank 0 was "
+                                     "still writing its checkpoint"),
+], ids=["right", "torch.save-onto-the-path", "no-barrier"])
+def test_a_worker_killed_while_writing_a_checkpoint(train, message):
+    """Issue 27 item 5, under torchrun: rank 0 SIGKILLed inside its write of the checkpoint of
+    step 4; the right loop resumes from step 2's; a torch.save onto the path (its writes are
+    audited in the workers too) and a rank that does not wait for the write both fail."""
+    s = hidden.KILLED_IN_SAVE
+    if message is None:
+        [report] = run_student(hidden.KILLED, 1, train, s, timeout=checks.LAUNCH_TIMEOUT_S + 30)
+        assert [e["step"] for e in report["events"] if e["attempt"] == 1 and e["rank"] == 0
+                and e["event"] == "step"] == [3, 4, 5, 6]  # from the checkpoint of step 2
+        return
+    with pytest.raises(CheckFailed, match=message):
+        run_student(hidden.KILLED, 1, train, s, timeout=checks.LAUNCH_TIMEOUT_S + 30)
 
 
 def test_through_the_trusted_grader_a_submitted_loop_is_judged_here(host):

@@ -17,7 +17,9 @@ from autograder.hidden import train_steps as hidden
 from autograder.relayed import RelayedRanks
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import train_steps as checks
+from ddpcourse.grading.written_out import digests
 from trusted_path import altered, submitted
+from written_out_values import assert_digests_close
 
 pytestmark = pytest.mark.usefixtures("integrity_snapshot")
 
@@ -91,6 +93,32 @@ def test_a_wrong_loop_is_caught_with_what_went_wrong(wrong, check, message):
         check(wrong)
 
 
+VISIBLE_SITUATIONS = [(2, checks.setting(4, 2)), (2, checks.setting(6, 3, seed=1)),
+                      (2, checks.setting(6, 3, seed=2)), (2, checks.setting(3, 1, seed=3)),
+                      (2, checks.setting(5, 2, seed=4)), (2, checks.setting(7, 3, seed=5))]
+
+
+def test_every_written_out_result_is_the_reference_runs():
+    """The visible checks hold no one-process run (it yields the answer): each visible
+    situation's weights (digests) and losses are written out, held here to the hidden checks'
+    reference run; and every situation the visible checks run has them."""
+    keys = {checks.situation_key(s, world_size) for world_size, s in VISIBLE_SITUATIONS}
+    assert set(checks.VISIBLE_EXPECTED) == keys
+    for world_size, s in VISIBLE_SITUATIONS:
+        weights, losses, own = checks.written_out(s, world_size)
+        ref_weights, ref_losses, ref_own = hidden.reference(s, world_size)
+        assert_digests_close(weights, digests(ref_weights))
+        assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-7)
+        for mine, theirs in zip(own, ref_own, strict=True):
+            assert mine == pytest.approx(theirs, rel=1e-6)
+    assert not hasattr(checks, "reference_run")
+
+
+def test_the_visible_judge_refuses_a_situation_without_a_written_out_result():
+    with pytest.raises(LookupError, match="grader bug: no written-out result"):
+        checks.judge_train_steps([{}, {}], 2, checks.setting(4, 2, seed=99))
+
+
 def test_the_hidden_checks_catch_a_missing_value_error():
     with pytest.raises(CheckFailed, match=r"accumulation_steps=0.*expected ValueError"):
         hidden.check_train_steps(make(validate=False))
@@ -111,6 +139,59 @@ def test_through_the_broker_the_right_loop_passes_and_a_synced_micro_batch_is_co
     with pytest.raises(CheckFailed, match=r"all-reduced the gradients 6 time\(s\)"):
         checks.check_one_all_reduce_per_optimizer_step(
             submitted(make(sync="backward"), host, relayed))
+
+
+def gathers_and_reduces_zeros(ddp_model, micro_batches, optimizer, loss_fn, accumulation_steps):
+    """Right weights and losses, and one gradient-sized all-reduce per optimizer step, but the
+    gradients are averaged through all_gather and the all-reduce carries zeros: what a byte
+    count accepts as a synchronisation."""
+    if type(accumulation_steps) is not int or accumulation_steps < 1:
+        raise ValueError(accumulation_steps)
+    params = list(ddp_model.parameters())
+    world = dist.get_world_size()
+    losses = []
+    for start in range(0, len(micro_batches), accumulation_steps):
+        group = micro_batches[start:start + accumulation_steps]
+        optimizer.zero_grad()
+        total = 0.0
+        with ddp_model.no_sync():
+            for x, y in group:
+                loss = loss_fn(ddp_model(x), y) / len(group)
+                loss.backward()
+                total += loss.item()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        mean, offset = sum(everyone) / world, 0
+        for p in params:
+            p.grad.copy_(mean[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        dist.all_reduce(torch.zeros(flat.numel()))  # one synchronisation's bytes
+        logged = torch.tensor([total])
+        dist.all_reduce(logged)
+        losses.append(logged.item() / world)
+        optimizer.step()
+    return losses
+
+
+def test_through_the_broker_a_dummy_all_reduce_of_zeros_is_no_synchronisation(host, relayed):
+    """Issue 27 item 4: counted by its bytes alone (audited in the rank, as in a notebook), the
+    loop above passes; the broker sees that its all-reduce carried zeros."""
+    checks.check_one_all_reduce_per_optimizer_step(gathers_and_reduces_zeros)
+    with pytest.raises(CheckFailed, match=r"all-reduce of optimizer step 0 did not carry this "
+                                          r"rank's gradient.*sum of squares of 0"):
+        checks.check_one_all_reduce_per_optimizer_step(
+            submitted(gathers_and_reduces_zeros, host, relayed))
+
+
+def test_the_contributions_are_grouped_into_synchronisations():
+    """DDP's buckets, one call or several, make a synchronisation; a logged loss between them
+    does not; calls that cannot be grouped are judged by their bytes only."""
+    calls = [["all_reduce", n] for n in (8, 4, 4, 2, 8)]
+    assert checks.gradient_syncs_carried(calls, [2.0, 0.5, 1.0, 0.25, 3.0], 8) == [2.0, 1.5, 3.0]
+    assert checks.gradient_syncs_carried(calls, [2.0, 0.5, 1.0, 0.25, 3.0], 16) == [3.5]
+    assert checks.gradient_syncs_carried(calls, [2.0, 0.5, 1.0, None, 3.0], 8) is None
+    assert checks.gradient_syncs_carried(calls, [2.0] * 5, 4) is None  # a call above a sync
 
 
 def observations(world_size=2, s=None):

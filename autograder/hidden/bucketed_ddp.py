@@ -5,15 +5,37 @@ judged by its own visible test, is not judged again (one mistake, one lost test)
 :func:`reference_buckets` is the grader's reference bucket planner, kept here because it is the
 exercise's answer: the visible checks only have their own cases' plans written out
 (``VISIBLE_PLANS``), which tests/test_grading_bucketed_ddp.py holds to it. The hidden cases run
-the visible module's ``observe`` and are judged here, with this planner."""
+the visible module's ``observe`` and are judged here, with this planner. :func:`one_process` is the
+one-process training the visible judge's invariants (the mean of the ranks' own gradients, rank 0's
+state moved by them) must agree with: tests/test_grading_bucketed_ddp.py holds them to it."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ddpcourse.grading.checks import Case, run_student
-from ddpcourse.grading.exercises.bucketed_ddp import (BROADCAST, MIB, judge_training,
-                                                      observe_bucketed_training)
+from ddpcourse.grading.exercises.bucketed_ddp import (BROADCAST, LR, MIB, copy_of, global_batch,
+                                                      judge_training, observe_bucketed_training,
+                                                      reference_net, state_of)
+
+
+def one_process(world_size: int, variant: str, dtype: torch.dtype, seed: int, steps: int):
+    """Rank 0's model trained by one process on the whole batch: its state before training, every
+    step's gradients, and the weights after the last step."""
+    single = reference_net(variant, dtype, seed)
+    state = copy_of(state_of(single))
+    x_all, y_all = global_batch(world_size, dtype, seed)
+    optimizer = torch.optim.SGD(single.parameters(), lr=LR)
+    grads = []
+    with torch.enable_grad():
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(single(x_all), y_all).backward()
+            grads.append({name: None if p.grad is None else p.grad.detach().clone()
+                          for name, p in single.named_parameters()})
+            optimizer.step()
+    return state, grads, copy_of(dict(single.named_parameters()))
 
 
 def reference_buckets(module: nn.Module, bucket_cap_mb: float) -> list[list[str]]:

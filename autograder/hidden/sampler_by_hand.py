@@ -1,12 +1,37 @@
 """Hidden checks for chapter 06: 1 and 4 ranks, datasets smaller than the world (len 2, 1, 0),
 other seeds, a large epoch, drop_last with fewer samples than ranks, and more bad arguments.
 Every call runs under the hook that forbids DistributedSampler itself. Every check runs the visible
-module's Cases (the situations are passed as data), so it runs only in the trusted grader."""
+module's observations (the situations are passed as data) and is judged here with
+:func:`reference_indices`, torch's own sampler: the grader's reference, kept out of the visible
+module (the ranks import it). tests/test_grading_sampler_by_hand.py holds the visible module's
+written-out lists (VISIBLE_SHARDS) to it."""
 
 from __future__ import annotations
 
-from ddpcourse.grading.exercises.sampler_by_hand import BAD_ARGUMENTS, SHARDS
-from ddpcourse.grading.checks import run_student
+from torch.utils.data.distributed import DistributedSampler
+
+from ddpcourse.grading.checks import Case, run_student
+from ddpcourse.grading.exercises.sampler_by_hand import (BAD_ARGUMENTS, judge_shards_with,
+                                                         observe_shards)
+
+
+def reference_indices(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0,
+                      drop_last=False) -> list[int]:
+    """What torch's own sampler yields: the trusted answer."""
+    sampler = DistributedSampler(range(dataset_len), num_replicas=num_replicas, rank=rank,
+                                 shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def judge_with_the_sampler(observations, world_size, cases):
+    """The visible judge, with torch's sampler giving every expected list."""
+    judge_shards_with(lambda n, replicas, rank, kwargs: reference_indices(n, replicas, rank,
+                                                                          **kwargs),
+                      observations, world_size, cases)
+
+
+SHARDS = Case(observe_shards, judge_with_the_sampler)
 
 ONE_RANK = [(7, {}), (7, {"shuffle": False}), (7, {"drop_last": True, "epoch": 3}), (0, {})]
 FOUR_RANKS = [

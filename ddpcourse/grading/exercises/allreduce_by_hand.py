@@ -5,11 +5,16 @@ solutions/05_allreduce/allreduce_by_hand.nb.py (students:
 exercises/05_allreduce/allreduce_by_hand.ipynb).
 
 Each case is a :class:`~ddpcourse.grading.checks.Case`: the ranks report what they hold after the
-student's call, and the judge recomputes every rank's input itself (the inputs are seeded by rank)
-to build the reference: the mean of the gradients, the sum of the tensors.
+student's call, and the salt their input was drawn with. A rank's input depends on a salt each rank
+draws afresh (:func:`fresh_salt`), so no rank can compute another rank's input without
+communicating; the judge rebuilds every rank's input from the reported salts and expects their
+mean (gradients) or sum (tensors). This module holds no answer: the expected value of a case is
+the sum of what the ranks held before the call, an invariant of the observations.
 """
 
 from __future__ import annotations
+
+import secrets
 
 import torch
 from torch import nn
@@ -46,24 +51,49 @@ class GradModel(nn.Module):
         return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
 
 
+def fresh_salt() -> int:
+    """A salt a rank draws for its own input: unknown to every other rank."""
+    return secrets.randbits(31)
+
+
+def reported_salts(observations) -> list[int]:
+    """Every rank's salt, read as untrusted data (one CheckFailed naming every rank whose report
+    has none)."""
+    salts: list[int] = []
+
+    def read(rank, observation):
+        salt = observed(observation, "salt", int)
+        if not 0 <= salt < 2**31:
+            raise CheckFailed(f"the rank's report has a salt out of range: {salt}")
+        salts.append(salt)
+
+    judge_each_rank(observations, read)
+    return salts
+
+
+def rank_generator(seed: int, rank: int, salt: int) -> torch.Generator:
+    """The generator of rank ``rank``'s input (seeded by the case, the rank and its salt)."""
+    return torch.Generator().manual_seed((seed * 1009 + rank) * 2**31 + salt)
+
+
 def model_after_backward(rank, dtype_name="float32", awkward=False, tied=False,
-                         seed=0) -> nn.Module:
+                         seed=0, salt=0) -> nn.Module:
     """Rank ``rank``'s model right after its backward: the same weights on every rank, gradients
-    from the rank's own data."""
+    from the rank's own data (drawn with the rank's ``salt``)."""
     dtype = DTYPES[dtype_name]
     torch.manual_seed(seed)
     model = GradModel(awkward, tied).to(dtype)
-    torch.manual_seed(seed + 1000 * (rank + 1))  # every rank sees different data
-    x = torch.randn(5, 4, dtype=dtype)
+    x = torch.randn(5, 4, dtype=dtype, generator=rank_generator(seed, rank, salt))
     model(x).pow(2).mean().backward()
     return model
 
 
 def observe_average_gradients(rank, world_size, average_gradients, dtype_name="float32",
                               awkward=False, tied=False, seed=0):
-    model = model_after_backward(rank, dtype_name, awkward, tied, seed)
+    salt = fresh_salt()
+    model = model_after_backward(rank, dtype_name, awkward, tied, seed, salt)
     result = average_gradients(model)
-    return {"returned": type_name(result),
+    return {"salt": salt, "returned": type_name(result),
             "grads": {name: None if p.grad is None else p.grad.detach().clone()
                       for name, p in model.named_parameters()},
             "weights": {name: p.detach().clone() for name, p in model.named_parameters()}}
@@ -71,8 +101,10 @@ def observe_average_gradients(rank, world_size, average_gradients, dtype_name="f
 
 def judge_average_gradients(observations, world_size, dtype_name="float32", awkward=False,
                             tied=False, seed=0):
-    models = [dict(model_after_backward(r, dtype_name, awkward, tied, seed).named_parameters())
-              for r in range(world_size)]
+    salts = reported_salts(observations)
+    models = [dict(model_after_backward(r, dtype_name, awkward, tied, seed,
+                                        salt).named_parameters())
+              for r, salt in enumerate(salts)]
     expected = {name: sum(m[name].grad for m in models) / world_size
                 for name, p in models[0].items() if p.grad is not None}
     rtol, atol = TOLERANCES[DTYPES[dtype_name]]
@@ -121,8 +153,8 @@ def check_average_gradients_skips_missing(average_gradients) -> None:
 # --- ring_allreduce ---------------------------------------------------------------------------
 
 
-def make_rank_tensor(rank, shape, dtype, seed):
-    generator = torch.Generator().manual_seed(seed * 1009 + rank)
+def make_rank_tensor(rank, shape, dtype, seed, salt=0):
+    generator = rank_generator(seed, rank, salt)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator, dtype=dtype)
     return torch.randint(-1000, 1000, shape, generator=generator, dtype=dtype)
@@ -130,11 +162,13 @@ def make_rank_tensor(rank, shape, dtype, seed):
 
 def observe_ring_allreduce(rank, world_size, ring_allreduce, shape=(8,), dtype_name="float32",
                            seed=0, check_traffic=False):
-    tensor = make_rank_tensor(rank, shape, DTYPES[dtype_name], seed)
+    salt = fresh_salt()
+    tensor = make_rank_tensor(rank, shape, DTYPES[dtype_name], seed, salt)
     storage = tensor.data_ptr()
     with audited_traffic() as traffic:
         result = ring_allreduce(tensor)
-    return {"returned": "the tensor itself" if result is tensor else type_name(result),
+    return {"salt": salt,
+            "returned": "the tensor itself" if result is tensor else type_name(result),
             "in_place": tensor.data_ptr() == storage and tuple(tensor.shape) == tuple(shape),
             "result": tensor.detach().clone(),
             "traffic": traffic}
@@ -143,7 +177,8 @@ def observe_ring_allreduce(rank, world_size, ring_allreduce, shape=(8,), dtype_n
 def judge_ring_allreduce(observations, world_size, shape=(8,), dtype_name="float32", seed=0,
                          check_traffic=False):
     dtype = DTYPES[dtype_name]
-    inputs = [make_rank_tensor(r, shape, dtype, seed) for r in range(world_size)]
+    salts = reported_salts(observations)
+    inputs = [make_rank_tensor(r, shape, dtype, seed, salt) for r, salt in enumerate(salts)]
     expected = sum(inputs[1:], inputs[0].clone())
     what = f"tensor of shape {tuple(shape)}, {dtype_name}, world size {world_size}"
     rtol, atol = TOLERANCES.get(dtype, (0.0, 0.0))

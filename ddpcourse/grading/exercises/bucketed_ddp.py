@@ -5,16 +5,19 @@ The contract is the docstrings of ``broadcast_parameters`` and ``BucketedDDP`` (
 methods) in solutions/05_allreduce/bucketed_ddp.nb.py (students:
 exercises/05_allreduce/bucketed_ddp.ipynb).
 
-Every rank builds its model from a different seed, so only rank 0's initial state is right; the
-reference is one process training rank 0's model on the whole batch (the concatenation of every
-rank's share). The all-reduces are recorded with :class:`~ddpcourse.grading.comm_audit.CommAudit`,
-and the moment backward reaches the model's input (a hook on the input tensor, which fires after
-every layer but the first is done) tells whether communication overlapped with backward.
+Every rank builds its model from a different seed, so only rank 0's initial state is right. The
+all-reduces are recorded with :class:`~ddpcourse.grading.comm_audit.CommAudit`, and the moment
+backward reaches the model's input (a hook on the input tensor, which fires after every layer but
+the first is done) tells whether communication overlapped with backward.
 
-Each case is a :class:`~ddpcourse.grading.checks.Case`: the ranks only record what they see
-(the module's tensors, the collectives, the gradients of every step) and the judge rebuilds rank
-0's model, replays the one-process training itself, and compares. The bucket plan is the
-exercise's answer, so this module does not compute it: the visible cases' plans are written out
+Each case is a :class:`~ddpcourse.grading.checks.Case`: the ranks only record what they see (the
+module's tensors, the collectives, the gradients of every step, and the rank's own gradient of
+each step, which the grader computes on a copy of the model it owns before the student's hooks
+synchronise anything). The judge holds no one-process reference: the right gradient of a step is
+the mean of the ranks' own gradients (an invariant of the observations, equal to one process's
+gradient on the whole batch since every rank has the same number of rows), and the right weights
+are rank 0's initial state moved by those means, step by step. The bucket plan is the exercise's
+answer, so this module does not compute it either: the visible cases' plans are written out
 (:data:`VISIBLE_PLANS`); the hidden checks judge their own cases with the grader's reference
 planner (:func:`judge_training` takes the planner).
 """
@@ -22,7 +25,6 @@ planner (:func:`judge_training` takes the planner).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -298,6 +300,7 @@ def observe_bucketed_training(rank, world_size, BucketedDDP, bucket_cap_mb, vari
     BucketedDDP = with_rank0_state(BucketedDDP, state_of(reference_net(variant, dtype, seed)),
                                    broadcast_calls)
     model = make_net(variant, dtype, rank_seed(seed, rank))
+    shadow = reference_net(variant, dtype, seed)  # the grader's copy, never seen by the student
     with CommAudit() as construction:
         wrapped = BucketedDDP(model, bucket_cap_mb)
     observation = {"is_module": isinstance(wrapped, nn.Module),
@@ -312,6 +315,7 @@ def observe_bucketed_training(rank, world_size, BucketedDDP, bucket_cap_mb, vari
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
+        own = own_gradients(shadow, model, x_all[share], y_all[share])
         x = x_all[share].clone().requires_grad_(True)
         with CommAudit() as audit:
             launched_at_input = []
@@ -328,10 +332,27 @@ def observe_bucketed_training(rank, world_size, BucketedDDP, bucket_cap_mb, vari
             "launched_in_backward": launched_in_backward,
             "grads": {name: None if p.grad is None else p.grad.detach().clone()
                       for name, p in model.named_parameters()},
+            "own_grads": own,
         })
         optimizer.step()
     observation["weights"] = copy_of(dict(model.named_parameters()))
     return observation
+
+
+def own_gradients(shadow: Net, model: nn.Module, x: torch.Tensor,
+                  y: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """This rank's own gradient of one step: ``model``'s current parameters and buffers copied
+    into the grader's ``shadow`` (no hook of the student's on it), one forward and backward on
+    the rank's share."""
+    with torch.no_grad():
+        mine = state_of(model)
+        for name, tensor in state_of(shadow).items():
+            tensor.copy_(mine[name])
+    shadow.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        nn.functional.mse_loss(shadow(x), y).backward()
+    return {name: None if p.grad is None else p.grad.detach().clone()
+            for name, p in shadow.named_parameters()}
 
 
 # A cap that the first bucket (out.bias, out.weight, mid2.bias, mid2.weight: 12 + 192 + 64 +
@@ -388,32 +409,56 @@ class BucketPlan:
         self.early = sum(1 for b in self.with_grad if not late & set(b))
 
 
-@dataclass
-class OneProcess:
-    """The reference: rank 0's model trained by one process on the whole batch."""
+def mean_of_own_gradients(observations: list, steps: int,
+                          like: dict[str, torch.Tensor]) -> list[dict]:
+    """Step by step, the mean of the ranks' own gradients (None where the ranks had none): what
+    every rank must hold after ``finish_gradient_synchronization()``. ``like``: the model's
+    parameters, whose names, dtypes and shapes every report must have. One CheckFailed naming
+    every rank whose report of its own gradients is not what the grader's copy gives."""
+    own: list[list[dict]] = [[] for _ in observations]
 
-    plan: BucketPlan
-    state: dict[str, torch.Tensor]  # rank 0's parameters and buffers, before training
-    grads: list[dict[str, torch.Tensor | None]]  # every parameter's gradient, step by step
-    weights: dict[str, torch.Tensor]  # after the last step
+    def read(rank, observation):
+        records = observed(observation, "steps", list)
+        if len(records) != steps:
+            raise CheckFailed(f"the rank's report has {len(records)} steps, not {steps}")
+        for step, record in enumerate(records):
+            grads = observed(record, "own_grads", dict)
+            reported_names(grads, like, f"step {step + 1}: the rank's own gradients")
+            mine = {}
+            for name, grad in grads.items():
+                if grad is not None:
+                    grad = reported_tensor(grad, f"step {step + 1}: {name}")
+                    if grad.dtype != like[name].dtype or grad.shape != like[name].shape:
+                        raise CheckFailed(f"step {step + 1}: the rank's own gradient of {name!r} "
+                                          "is not a tensor like the parameter")
+                mine[name] = grad
+            own[rank].append(mine)
+
+    judge_each_rank(observations, read)
+    means = []
+    for step in range(steps):
+        mean: dict[str, torch.Tensor | None] = {}
+        for name in like:
+            present = [own[r][step][name] for r in range(len(own))]
+            if all(grad is None for grad in present):
+                mean[name] = None
+            elif any(grad is None for grad in present):
+                raise CheckFailed(f"step {step + 1}: {name!r} has a gradient on some ranks only")
+            else:
+                mean[name] = sum(present[1:], present[0].clone()) / len(present)
+        means.append(mean)
+    return means
 
 
-def one_process(planner: Planner, world_size: int, bucket_cap_mb: float, variant: str,
-                dtype: torch.dtype, seed: int, steps: int) -> OneProcess:
-    single = reference_net(variant, dtype, seed)
-    plan = BucketPlan(single, planner(single, bucket_cap_mb))
-    state = copy_of(state_of(single))
-    x_all, y_all = global_batch(world_size, dtype, seed)
-    optimizer = torch.optim.SGD(single.parameters(), lr=LR)
-    grads = []
-    with torch.enable_grad():
-        for _ in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(single(x_all), y_all).backward()
-            grads.append({name: None if p.grad is None else p.grad.detach().clone()
-                          for name, p in single.named_parameters()})
-            optimizer.step()
-    return OneProcess(plan, state, grads, copy_of(dict(single.named_parameters())))
+def sgd_from(state: dict[str, torch.Tensor], grads: list[dict]) -> dict[str, torch.Tensor]:
+    """Rank 0's initial parameters moved by plain SGD (lr :data:`LR`) with each step's gradients:
+    the weights every rank must end with."""
+    weights = {name: state[name].clone() for name in grads[0]} if grads else {}
+    for step in grads:
+        for name, grad in step.items():
+            if grad is not None:
+                weights[name] = weights[name].add(grad, alpha=-LR)
+    return weights
 
 
 def judge_bucketed_training(observations, world_size, bucket_cap_mb, variant="plain",
@@ -432,8 +477,13 @@ def judge_training(planner: Planner, observations, world_size, bucket_cap_mb, va
     values = judged in ("values", "values and buckets", "all")
     dtype = DTYPES[dtype_name]
     what = f"{world_size} ranks, bucket_cap_mb={bucket_cap_mb:g}, {variant} model, {dtype_name}"
-    reference = one_process(planner, world_size, bucket_cap_mb, variant, dtype, seed, steps)
+    rank0 = reference_net(variant, dtype, seed)
+    plan = BucketPlan(rank0, planner(rank0, bucket_cap_mb))
+    rank0_state = copy_of(state_of(rank0))
     tolerance = TOLERANCES[dtype]
+    means = (mean_of_own_gradients(observations, steps, dict(rank0.named_parameters()))
+             if values else [{}] * steps)
+    final_weights = sgd_from(rank0_state, means) if values else {}
 
     def judge_rank(rank, observation):
         if observed(observation, "is_module", bool) is not True:
@@ -445,17 +495,17 @@ def judge_training(planner: Planner, observations, world_size, bucket_cap_mb, va
                               "broadcast rank 0's parameters and buffers: call "
                               "broadcast_parameters(module)")
         if values:
-            expect_rank0_state(observed(observation, "state", dict), reference.state,
+            expect_rank0_state(observed(observation, "state", dict), rank0_state,
                                f"{what}, right after BucketedDDP(...) (its broadcast_parameters "
                                "gets rank 0's state right here)")
         records = observed(observation, "steps", list)
         if len(records) != steps:
             raise CheckFailed(f"{what}: the rank's report has {len(records)} steps, not {steps}")
         for step, record in enumerate(records):
-            expect_step(reference.plan, record, reference.grads[step], judged, world_size,
+            expect_step(plan, record, means[step], judged, world_size,
                         f"{what}, step {step + 1}", tolerance)
         if values:
-            expect_same_weights(observed(observation, "weights", dict), reference.weights,
+            expect_same_weights(observed(observation, "weights", dict), final_weights,
                                 f"{what}: after {steps} steps", tolerance)
 
     judge_each_rank(observations, judge_rank)

@@ -192,6 +192,8 @@ def _audit_hook(event: str, args: tuple) -> None:
         name = _inside(path, audit["directory"])
         if writing and name is not None:
             audit["writes"].append(["open", name, ""])
+            if audit.get("on_write") is not None:  # a fault injected while a file is written
+                audit["on_write"](name)
     elif event == "os.rename":  # os.rename and os.replace (and shutil.move's rename)
         source, target = _inside(args[0], audit["directory"]), _inside(args[1], audit["directory"])
         if target is not None:
@@ -343,7 +345,9 @@ def observe_crash(rank, world_size, functions, s):
 
 def write_reference_checkpoint(path: str, s: dict) -> None:
     """The grader's own checkpoint in the contract's format: one process, ``s["steps"]`` steps on
-    rank 0's batches."""
+    rank 0's batches. Written with a plain torch.save, while the other ranks wait at a barrier
+    (nothing reads it before): how a save is made atomic is the exercise's answer, which this
+    module (importable in the ranks) does not show."""
     model = make_model(s["seed"] + 5)
     optimizer = make_optimizer(s["optimizer"], model)
     for step in range(s["steps"]):
@@ -351,10 +355,8 @@ def write_reference_checkpoint(path: str, s: dict) -> None:
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
-    temporary = path + ".grader-tmp"
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "step": s["step"], "note": "the grader's"}, temporary)
-    os.replace(temporary, path)
+                "step": s["step"], "note": "the grader's"}, path)
 
 
 def observe_load(rank, world_size, functions, s):

@@ -9,10 +9,14 @@ function of that file may run during it.
 Each check is a :class:`~ddpcourse.grading.checks.Case`. In every rank of a real group, the rank
 calls the student's function with its own rank for each situation and reports, as plain data, what
 came back (the index list, or what else it was, or the exception's type and message) and what the
-hook saw. The judge builds torch's own sampler for every rank itself (the reference never comes
-from a rank) and compares: first what the ranks hold together (same lengths, every index covered),
-then each rank's list index by index. The first situation that fails is the one reported, on
-every rank where it failed.
+hook saw. The judge compares first what the ranks hold together (same lengths, every index
+covered: invariants of the reports), then each rank's list index by index with the expected list.
+The first situation that fails is the one reported, on every rank where it failed.
+
+This module holds no answer (the ranks import it): the expected lists of the visible situations
+are written out (:data:`VISIBLE_SHARDS`, held to torch's sampler by
+tests/test_grading_sampler_by_hand.py); the hidden checks (autograder/hidden/sampler_by_hand.py)
+judge their own situations with torch's own sampler, on the grader's side.
 """
 
 from __future__ import annotations
@@ -32,13 +36,77 @@ MAX_REPORTED_CALLS = 20  # forbidden calls a rank reports (their names, each cut
 MAX_TEXT = 500  # characters of any text a rank reports
 
 
-def reference_indices(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0,
-                      drop_last=False) -> list[int]:
-    """What torch's own sampler yields: the trusted answer."""
-    sampler = DistributedSampler(range(dataset_len), num_replicas=num_replicas, rank=rank,
-                                 shuffle=shuffle, seed=seed, drop_last=drop_last)
-    sampler.set_epoch(epoch)
-    return list(sampler)
+# Every visible situation's expected list per rank (torch's sampler's, written out rather than
+# computed: the ranks import this module), keyed by the call as a message shows it
+# (:func:`situation_key`). Held to torch's own sampler by tests/test_grading_sampler_by_hand.py.
+VISIBLE_SHARDS: dict[str, list[int]] = {
+    'shard_indices(10, 2, 0, shuffle=False)': [0, 2, 4, 6, 8],
+    'shard_indices(10, 2, 1, shuffle=False)': [1, 3, 5, 7, 9],
+    'shard_indices(11, 2, 0, shuffle=False)': [0, 2, 4, 6, 8, 10],
+    'shard_indices(11, 2, 1, shuffle=False)': [1, 3, 5, 7, 9, 0],
+    'shard_indices(10, 3, 0, shuffle=False)': [0, 3, 6, 9],
+    'shard_indices(10, 3, 1, shuffle=False)': [1, 4, 7, 0],
+    'shard_indices(10, 3, 2, shuffle=False)': [2, 5, 8, 1],
+    'shard_indices(11, 3, 0, shuffle=False)': [0, 3, 6, 9],
+    'shard_indices(11, 3, 1, shuffle=False)': [1, 4, 7, 10],
+    'shard_indices(11, 3, 2, shuffle=False)': [2, 5, 8, 0],
+    'shard_indices(10, 2, 0)': [4, 7, 3, 0, 6],
+    'shard_indices(10, 2, 1)': [1, 5, 9, 8, 2],
+    'shard_indices(11, 2, 0)': [10, 4, 5, 2, 9, 6],
+    'shard_indices(11, 2, 1)': [0, 3, 8, 1, 7, 10],
+    'shard_indices(10, 2, 0, epoch=1)': [5, 1, 0, 9, 7],
+    'shard_indices(10, 2, 1, epoch=1)': [6, 2, 8, 3, 4],
+    'shard_indices(11, 2, 0, epoch=1)': [0, 2, 7, 4, 1, 5],
+    'shard_indices(11, 2, 1, epoch=1)': [10, 3, 6, 8, 9, 0],
+    'shard_indices(11, 2, 0, epoch=1, seed=1)': [3, 10, 1, 5, 7, 9],
+    'shard_indices(11, 2, 1, epoch=1, seed=1)': [8, 0, 4, 2, 6, 3],
+    'shard_indices(10, 3, 0)': [4, 5, 0, 2],
+    'shard_indices(10, 3, 1)': [1, 3, 8, 4],
+    'shard_indices(10, 3, 2)': [7, 9, 6, 1],
+    'shard_indices(11, 3, 0)': [10, 3, 2, 7],
+    'shard_indices(11, 3, 1)': [0, 5, 1, 6],
+    'shard_indices(11, 3, 2)': [4, 8, 9, 10],
+    'shard_indices(10, 3, 0, epoch=1)': [5, 2, 9, 4],
+    'shard_indices(10, 3, 1, epoch=1)': [6, 0, 3, 5],
+    'shard_indices(10, 3, 2, epoch=1)': [1, 8, 7, 6],
+    'shard_indices(11, 3, 0, epoch=1)': [0, 3, 4, 9],
+    'shard_indices(11, 3, 1, epoch=1)': [10, 7, 8, 5],
+    'shard_indices(11, 3, 2, epoch=1)': [2, 6, 1, 0],
+    'shard_indices(11, 3, 0, epoch=1, seed=1)': [3, 0, 5, 6],
+    'shard_indices(11, 3, 1, epoch=1, seed=1)': [8, 1, 2, 9],
+    'shard_indices(11, 3, 2, epoch=1, seed=1)': [10, 4, 7, 3],
+    'shard_indices(11, 2, 0, drop_last=True)': [10, 4, 5, 2, 9],
+    'shard_indices(11, 2, 1, drop_last=True)': [0, 3, 8, 1, 7],
+    'shard_indices(11, 2, 0, drop_last=True, shuffle=False)': [0, 2, 4, 6, 8],
+    'shard_indices(11, 2, 1, drop_last=True, shuffle=False)': [1, 3, 5, 7, 9],
+    'shard_indices(10, 2, 0, drop_last=True, epoch=1)': [5, 1, 0, 9, 7],
+    'shard_indices(10, 2, 1, drop_last=True, epoch=1)': [6, 2, 8, 3, 4],
+    'shard_indices(11, 3, 0, drop_last=True)': [10, 3, 2],
+    'shard_indices(11, 3, 1, drop_last=True)': [0, 5, 1],
+    'shard_indices(11, 3, 2, drop_last=True)': [4, 8, 9],
+    'shard_indices(11, 3, 0, drop_last=True, shuffle=False)': [0, 3, 6],
+    'shard_indices(11, 3, 1, drop_last=True, shuffle=False)': [1, 4, 7],
+    'shard_indices(11, 3, 2, drop_last=True, shuffle=False)': [2, 5, 8],
+    'shard_indices(10, 3, 0, drop_last=True, epoch=1)': [5, 2, 9],
+    'shard_indices(10, 3, 1, drop_last=True, epoch=1)': [6, 0, 3],
+    'shard_indices(10, 3, 2, drop_last=True, epoch=1)': [1, 8, 7],
+}
+
+
+
+
+def situation_key(dataset_len: int, num_replicas: int, rank: int, kwargs: dict) -> str:
+    """How :data:`VISIBLE_SHARDS` names a call: its text, as a message shows it."""
+    return _shown((dataset_len, num_replicas, rank), dict(sorted(kwargs.items())))
+
+
+def written_out_indices(dataset_len: int, num_replicas: int, rank: int, kwargs: dict) -> list[int]:
+    """The visible situations' expected lists, from :data:`VISIBLE_SHARDS`."""
+    key = situation_key(dataset_len, num_replicas, rank, kwargs)
+    if key not in VISIBLE_SHARDS:
+        raise LookupError(f"grader bug: no written-out index list for {key}: add it to "
+                          "VISIBLE_SHARDS, or judge the situation with the hidden checks")
+    return list(VISIBLE_SHARDS[key])
 
 
 def _shown(args: tuple, kwargs: dict, rank_text: str | None = None) -> str:
@@ -175,7 +243,13 @@ def _judge_shards(everyone: list, dataset_len, num_replicas, drop_last, what) ->
 
 
 def judge_shards(observations, world_size, cases):
-    """Situation by situation, in order; the first that fails on some rank is reported."""
+    """The visible situations' judge: their lists are written out (:data:`VISIBLE_SHARDS`)."""
+    judge_shards_with(written_out_indices, observations, world_size, cases)
+
+
+def judge_shards_with(expected_indices, observations, world_size, cases):
+    """Situation by situation, in order; the first that fails on some rank is reported.
+    ``expected_indices(dataset_len, num_replicas, rank, kwargs)`` gives a rank's expected list."""
     reports: list = []
 
     def read_rank(rank, observation):
@@ -192,13 +266,13 @@ def judge_shards(observations, world_size, cases):
         _judge_shards(everyone, dataset_len, world_size, kwargs.get("drop_last", False),
                       _shown((dataset_len, world_size), kwargs, "rank"))  # about all the ranks
         judge_each_rank(calls, lambda rank, call: _judge_result(
-            call, reference_indices(dataset_len, world_size, rank, **kwargs), shown[rank]))
+            call, expected_indices(dataset_len, world_size, rank, kwargs), shown[rank]))
 
 
 def judge_errors(observations, world_size, errors):
     for args, _ in errors:  # the sampler itself must refuse them, or the exercise text is wrong
         try:
-            reference_indices(*args)
+            DistributedSampler(range(args[0]), num_replicas=args[1], rank=args[2])
         except ValueError:
             pass
         else:

@@ -14,15 +14,30 @@ which the loop calls after every step and through which the grader injects the f
   student's ``train``. In attempt 0 (``TORCHELASTIC_RESTART_COUNT``) the chosen rank is SIGKILLed
   (or raises) inside ``on_step`` at the chosen step; torchrun's agent stops the other workers and
   starts the whole group again, whose ``train`` must pick up from the last checkpoint. Each worker
-  appends what happened to an event log; rank 0 saves the final weights.
+  appends what happened to an event log, with every write it made in the checkpoint directory
+  (the audit hook of resumable_checkpoint), judged as in STOPPED; rank 0 saves the final weights.
+  With the fault "kill_in_save", rank 0 is SIGKILLed inside its first open for writing of the
+  checkpoint of ``fault_step`` (a temporary file), after holding it a moment: a rank that went on
+  meanwhile did not wait for the checkpoint, and the restart must resume from the checkpoint
+  before. (``torch.save`` onto a path opens it in C++, which the audit hook does not see: such a
+  writer is caught by its writes, with no ``os.replace`` at a checkpoint step.)
 * ``STOPPED`` (N ranks, no torchrun; quicker feedback): ``on_step`` raises on every rank at a
   chosen step, and the rank calls ``train`` again on a fresh model, optimizer and random state,
   as a restarted process would start; possibly several times.
 
-The judge computes, on its own, the weights of the same training without any interruption (one
-process: every rank's gradient from its own batch and dropout stream, averaged the way DDP does,
-which for one or two ranks is exact), and asks for them bit for bit, for the steps redone to be
-only those after the last checkpoint, and for no step to be skipped or run twice.
+The judge compares the final weights with those of the same training without any interruption
+(one process: every rank's gradient from its own batch and dropout stream, averaged the way DDP
+does, which for one or two ranks is exact), and asks for the steps redone to be only those after
+the last checkpoint, and for no step to be skipped or run twice.
+
+That uninterrupted run yields the answer of any situation, so this module (the ranks and the
+torchrun workers import it) does not hold it: the hidden checks (autograder/hidden/
+survive_a_killed_worker.py) compute it on the grader's side and ask for it bit for bit; the
+visible situations have its digests written out (:data:`VISIBLE_WEIGHTS`, see
+:mod:`ddpcourse.grading.written_out`), held to it by tests/test_grading_survive_a_killed_worker.py,
+and judged within ``ATOL + RTOL * |w|``: a written-out value comes from another machine, whose
+float32 kernels may round the last bit differently, while every mistake the checks look for (a
+random state, an optimizer state or a step not restored) moves the weights far more.
 """
 
 from __future__ import annotations
@@ -32,21 +47,25 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpcourse.grading.checks import (Case, CheckFailed, CHECK_TIMEOUT_S, cut_text,
                                       judge_each_rank, observed, run_student, safe_text)
+from ddpcourse.grading.written_out import expect_digest
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 FEATURES, HIDDEN, ROWS = 6, 16, 8
 LAUNCH_TIMEOUT_S = 90.0  # two attempts of N workers, each importing torch, on a busy machine
 _MAX_TEXT = 300
+MAX_LOGGED_WRITES = 50  # of one worker between two steps
+WAIT_FOR_PEERS_S = 1.0  # a kill_in_save holds the write this long for a peer that goes on
+ATOL, RTOL = 1e-6, 1e-5  # on the written-out weights of the visible situations (see above)
 
 
 class StopTraining(Exception):
@@ -61,7 +80,8 @@ def setting(seed: int = 0, optimizer: str = "adam", total_steps: int = 8, every:
             world_size: int = 2, fault: str = "kill", fault_rank: int = 1, fault_step: int = 5,
             stops: tuple[int, ...] = ()) -> dict:
     """One situation: ``total_steps`` optimizer steps, a checkpoint every ``every`` steps, and
-    either a fault in a torchrun worker (``fault`` "kill" or "raise" on ``fault_rank`` at
+    either a fault in a torchrun worker (``fault`` "kill" or "raise" on ``fault_rank`` after
+    ``fault_step``, or "kill_in_save": ``fault_rank`` SIGKILLed while it writes the checkpoint of
     ``fault_step``) or, for STOPPED, the steps at which every rank stops (``stops``)."""
     return {"seed": seed, "optimizer": optimizer, "total_steps": total_steps, "every": every,
             "world_size": world_size, "fault": fault, "fault_rank": fault_rank,
@@ -107,40 +127,36 @@ def fresh_start(s: dict, rank: int) -> tuple[DistributedDataParallel, torch.opti
     return ddp_model, optimizer
 
 
-def uninterrupted_weights(s: dict) -> dict[str, torch.Tensor]:
-    """The reference, in one process: every step, every rank's gradient on its own batch with its
-    own dropout stream, averaged as DDP does (divided by the world size, then summed; exact for
-    one or two ranks); then the optimizer's step."""
-    world_size = s["world_size"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            model = make_model(s["seed"])
-            optimizer = make_optimizer(s["optimizer"], model)
-            streams = []
-            for rank in range(world_size):
-                torch.manual_seed(dropout_seed(s["seed"], rank))
-                streams.append(torch.get_rng_state())
-            params = list(model.parameters())
-            for step in range(1, s["total_steps"] + 1):
-                per_rank = []
-                for rank in range(world_size):
-                    torch.set_rng_state(streams[rank])
-                    inputs, targets = batch_at(s["seed"], rank, step)
-                    loss = F.mse_loss(model(inputs), targets)
-                    per_rank.append(torch.autograd.grad(loss, params))
-                    streams[rank] = torch.get_rng_state()
-                for index, param in enumerate(params):
-                    total = per_rank[0][index] / world_size
-                    for grads in per_rank[1:]:
-                        total = total + grads[index] / world_size
-                    param.grad = total
-                optimizer.step()
-                optimizer.zero_grad()
-            return {name: t.detach().clone() for name, t in model.state_dict().items()}
-    finally:
-        torch.set_num_threads(threads)
+def situation_key(s: dict) -> tuple:
+    """How :data:`VISIBLE_WEIGHTS` names a situation: what the uninterrupted run depends on."""
+    return (s["seed"], s["optimizer"], s["total_steps"], s["world_size"])
+
+
+# The uninterrupted run's final weights for every situation the visible checks run: each
+# tensor's digest (ddpcourse.grading.written_out), keyed by :func:`situation_key`. Held to the
+# hidden checks' reference by tests/test_grading_survive_a_killed_worker.py.
+VISIBLE_WEIGHTS: dict[tuple, dict[str, tuple[float, ...]]] = {
+    (1, 'adam', 7, 2): {
+        '0.weight': (0.631552249193, 0.0631443392485, 1.67299333774, -0.700595449656),
+        '0.bias': (1.22598460317, 0.897795915604, -0.26391209662, -1.3334222883),
+        '3.weight': (-0.0487809702754, -1.27199652046, -0.951193042099, -0.170484818518),
+        '3.bias': (0.1005192101, 0.1005192101, -0.1005192101, -0.1005192101),
+    },
+    (2, 'adam', 8, 2): {
+        '0.weight': (0.406969500706, 1.55560270138, 0.022183669731, -0.371965447441),
+        '0.bias': (-0.819066770375, 0.628249458969, 0.512588493526, 0.668224148452),
+        '3.weight': (0.392605796456, 0.347627267241, 0.986791774631, 0.969265833497),
+        '3.bias': (-0.18975803256, -0.18975803256, 0.18975803256, 0.18975803256),
+    },
+}
+
+
+def written_out_weights(s: dict) -> dict:
+    key = situation_key(s)
+    if key not in VISIBLE_WEIGHTS:
+        raise LookupError(f"grader bug: no written-out weights for {key}: add them to "
+                          "VISIBLE_WEIGHTS, or judge the situation with the hidden checks")
+    return VISIBLE_WEIGHTS[key]
 
 
 def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -172,18 +188,36 @@ def worker_main(work: str) -> int:
     import cloudpickle
 
     from ddpcourse.dist_env import process_group
+    from ddpcourse.grading.exercises.resumable_checkpoint import _start_audit
 
     with open(os.path.join(work, "setting.json")) as f:
         s = json.load(f)
     with open(os.path.join(work, "train.pickle"), "rb") as f:
         train = cloudpickle.load(f)
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    checkpoints = os.path.join(work, "checkpoints")
     with process_group(timeout_s=30, backend="gloo", restart_safe=True) as ctx:
         _log(work, event="started")
         ddp_model, optimizer = fresh_start(s, ctx.rank)
+        audit = _start_audit(checkpoints)  # every write in the checkpoint directory
+        last_step, logged = [0], [0]
+
+        def log_writes():
+            new = audit["writes"][logged[0]:]
+            if new:
+                _log(work, event="writes", writes=new[:MAX_LOGGED_WRITES])
+                logged[0] = len(audit["writes"])
+
+        if attempt == 0 and ctx.rank == s["fault_rank"] and s["fault"] == "kill_in_save":
+            audit["on_write"] = lambda name: _kill_while_saving(work, s, last_step[0],
+                                                                log_writes)
 
         def on_step(step):
+            log_writes()
             _log(work, event="step", step=_step_value(step))
+            last_step[0] = step if type(step) is int else last_step[0]
+            if s["fault"] == "kill_in_save":
+                return
             if attempt == 0 and ctx.rank == s["fault_rank"] and step == s["fault_step"]:
                 _log(work, event=s["fault"], step=_step_value(step))
                 if s["fault"] == "kill":
@@ -192,17 +226,41 @@ def worker_main(work: str) -> int:
 
         try:
             train(ddp_model, optimizer, lambda step: batch_at(s["seed"], ctx.rank, step),
-                  s["total_steps"], os.path.join(work, "checkpoints"), s["every"], on_step)
+                  s["total_steps"], checkpoints, s["every"], on_step)
         except InjectedFault:
             raise
         except Exception as exc:
             _log(work, event="train raised", error=_raised(exc))
             raise
+        log_writes()
         _log(work, event="returned")
         if ctx.rank == 0:
             torch.save(model_state(ddp_model.module), os.path.join(work, "final.pt"))
         dist.barrier()
     return 0
+
+
+def _kill_while_saving(work: str, s: dict, last_step: int, log_writes: Callable) -> None:
+    """Called by the audit hook when this worker opens a file for writing in the checkpoint
+    directory: during the checkpoint of ``fault_step`` (the last step reported is the one before
+    it), SIGKILL this worker, midway through the write. First it holds the write for up to
+    :data:`WAIT_FOR_PEERS_S`, so that a rank that does not wait for the checkpoint (no barrier)
+    reports ``fault_step`` meanwhile, every time rather than by luck."""
+    if last_step != s["fault_step"] - 1:
+        return
+    deadline = time.monotonic() + WAIT_FOR_PEERS_S
+    while time.monotonic() < deadline and not _went_on(work, s):
+        time.sleep(0.02)
+    log_writes()
+    _log(work, event="kill_in_save", step=s["fault_step"])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _went_on(work: str, s: dict) -> bool:
+    """Some other rank reported ``fault_step`` in the first attempt."""
+    return any(e.get("attempt") == 0 and e.get("event") == "step" and e.get("rank") !=
+               s["fault_rank"] and e.get("step") == s["fault_step"] for e in _read_events(work)
+               if isinstance(e, dict))
 
 
 def _launch_env() -> dict[str, str]:
@@ -314,30 +372,41 @@ def _judge_steps(ran: list, first: int, last: int, what: str) -> None:
                       "each once, in order")
 
 
-def _judge_weights(final: Any, s: dict, what: str) -> None:
-    expected = uninterrupted_weights(s)
+WEIGHTS_HINT = (". A restart must continue exactly where the checkpoint left off: the model's "
+                "weights, the optimizer's state (Adam's moments, momentum), the step, and every "
+                "rank's random-number state (the model has dropout: torch.get_rng_state() "
+                "differs per rank, so save each rank's)")
+
+
+def _judge_weights(final: Any, s: dict, what: str, expected_weights=written_out_weights) -> None:
+    """``expected_weights(s)``: the uninterrupted run's final state, as tensors (asked bit for
+    bit) or their written-out digests (asked within ATOL + RTOL * |w|)."""
+    expected = expected_weights(s)
     if not isinstance(final, dict) or set(final) != set(expected):
         raise CheckFailed(f"{what}: the final model's state has keys "
                           f"{cut_text(sorted(map(str, final)) if isinstance(final, dict) else final, 200)}"
                           f", expected {sorted(expected)}")
+    like = make_model(s["seed"]).state_dict()
     for name, tensor in expected.items():
         value = final[name]
-        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape or \
-                value.dtype != tensor.dtype:
+        if not isinstance(value, torch.Tensor) or value.shape != like[name].shape or \
+                value.dtype != like[name].dtype or value.layout != torch.strided:
             raise CheckFailed(f"{what}: the final {name!r} is not a tensor like the model's")
-        if not torch.equal(value, tensor):
+        if not isinstance(tensor, torch.Tensor):
+            expect_digest(value, tensor, f"{what}: the final weights differ from an "
+                          f"uninterrupted run ({name!r})", RTOL, ATOL, WEIGHTS_HINT)
+        elif not torch.equal(value, tensor):
             diff = (value.double() - tensor.double()).abs().max().item()
             raise CheckFailed(
                 f"{what}: the final weights differ from an uninterrupted run ({name!r}: largest "
-                f"difference {diff:.3g}). A restart must continue exactly where the checkpoint "
-                "left off: the model's weights, the optimizer's state (Adam's moments, "
-                "momentum), the step, and every rank's random-number state (the model has "
-                "dropout: torch.get_rng_state() differs per rank, so save each rank's)")
+                f"difference {diff:.3g})" + WEIGHTS_HINT)
 
 
-def judge_killed(observations, world_size, s):
+def judge_killed(observations, world_size, s, expected_weights=written_out_weights):
+    fault = {"kill": "SIGKILLed after", "raise": "raising after",
+             "kill_in_save": "SIGKILLed while writing the checkpoint of"}[s["fault"]]
     what = (f"{s['world_size']} workers under torchrun --max_restarts 1, rank {s['fault_rank']} "
-            f"{'SIGKILLed' if s['fault'] == 'kill' else 'raising'} after step {s['fault_step']} "
+            f"{fault} step {s['fault_step']} "
             f"({s['total_steps']} steps, a checkpoint every {s['every']}, {s['optimizer']})")
     [observation] = observations
     events = observed(observation, "events", list)
@@ -348,6 +417,14 @@ def judge_killed(observations, world_size, s):
                           f"was stopped (a rank waiting for another?). Its last output:\n{tail}")
     faults = [e for e in events if isinstance(e, dict) and e.get("event") == s["fault"]
               and e.get("attempt") == 0]
+    if s["fault"] == "kill_in_save" and not faults:
+        # torch.save onto a path opens it in C++, unseen by the audit hook: its writes say more
+        for rank in range(s["world_size"]):
+            _judge_checkpoint_writes(rank, writes_of(events, 0, rank), s, f"{what}: attempt 1")
+        raise CheckFailed(f"{what}: rank {s['fault_rank']} opened no file for writing in the "
+                          f"checkpoint directory at step {s['fault_step']}, a checkpoint step "
+                          "of the first attempt: only rank 0 writes the checkpoint, every "
+                          f"`checkpoint_every` steps. Its output:\n{tail}")
     errors = [e for e in events if isinstance(e, dict) and e.get("event") == "train raised"]
     if errors and not faults:
         first = errors[0]
@@ -360,6 +437,19 @@ def judge_killed(observations, world_size, s):
         raise CheckFailed(f"{what}: the fault was never injected: rank {s['fault_rank']} never "
                           f"called on_step({s['fault_step']}) in the first attempt. Its output:"
                           f"\n{tail}")
+    in_save = s["fault"] == "kill_in_save"
+    if in_save:
+        went_on = sorted({e.get("rank") for e in events if isinstance(e, dict)
+                          and e.get("attempt") == 0 and e.get("event") == "step"
+                          and e.get("step") == s["fault_step"]}, key=str)
+        if went_on:
+            raise CheckFailed(
+                f"{what}: rank(s) {cut_text(went_on, 40)} went on past step {s['fault_step']} "
+                f"while rank {s['fault_rank']} was still writing its checkpoint: every rank "
+                "must wait until the checkpoint is written (dist.barrier() after rank 0's "
+                "save), or a failure during the write loses a step the others count as saved")
+    for rank in range(s["world_size"]):  # the first attempt's writes, before its outcome
+        _judge_checkpoint_writes(rank, writes_of(events, 0, rank), s, f"{what}: attempt 1")
     returncode = observed(observation, "returncode", int)
     later = [e for e in errors if e.get("attempt") != 0]
     if returncode != 0 and later:
@@ -376,12 +466,31 @@ def judge_killed(observations, world_size, s):
         raise CheckFailed(f"{what}: expected every worker to be started again by torchrun (its "
                           f"agent restarts the whole group); the second attempt had ranks "
                           f"{sorted(map(str, restarted))}. Output:\n{tail}")
-    resume = last_checkpoint(s["fault_step"], s["every"])
+    # the checkpoint being written when the worker died does not count
+    resume = last_checkpoint(s["fault_step"] - (1 if s["fault"] == "kill_in_save" else 0),
+                             s["every"])
+    for rank in range(s["world_size"]):
+        _judge_checkpoint_writes(rank, writes_of(events, 1, rank), s, f"{what}: attempt 2")
     for rank in range(s["world_size"]):
         ran = [e.get("step") for e in events if isinstance(e, dict) and e.get("attempt") == 1
                and e.get("rank") == rank and e.get("event") == "step"]
         _judge_steps(ran, resume + 1, s["total_steps"], f"{what}: rank {rank} after the restart")
-    _judge_weights(observation.get("final"), s, what)
+    _judge_weights(observation.get("final"), s, what, expected_weights)
+
+
+def writes_of(events: list, attempt: int, rank: int) -> dict:
+    """What a torchrun worker reported of its writes, in the form of a STOPPED observation:
+    ``writes`` in order, and at each step it reported, how many came before (``marks``)."""
+    writes, marks, steps = [], [], []
+    for e in events:
+        if not isinstance(e, dict) or e.get("attempt") != attempt or e.get("rank") != rank:
+            continue
+        if e.get("event") == "writes" and isinstance(e.get("writes"), list):
+            writes += e["writes"]
+        elif e.get("event") == "step":
+            marks.append(len(writes))
+            steps.append([attempt, e.get("step")])
+    return {"writes": writes, "marks": marks, "steps": steps}
 
 
 def _judge_checkpoint_writes(rank: int, observation: Any, s: dict, what: str) -> None:
@@ -427,7 +536,7 @@ def _judge_checkpoint_writes(rank: int, observation: Any, s: dict, what: str) ->
         before = mark
 
 
-def judge_stopped(observations, world_size, s):
+def judge_stopped(observations, world_size, s, expected_weights=written_out_weights):
     what = (f"{world_size} rank(s) stopped after step(s) {', '.join(map(str, s['stops']))} and "
             f"started again each time on a fresh model and optimizer ({s['total_steps']} steps, "
             f"a checkpoint every {s['every']}, {s['optimizer']})")
@@ -446,7 +555,7 @@ def judge_stopped(observations, world_size, s):
             run = "the first run" if part == 0 else f"run {part + 1} (after the stop at {start})"
             _judge_steps(ran, last_checkpoint(start, s["every"]) + 1, end, f"{what}: {run}")
         _judge_checkpoint_writes(rank, observation, s, what)
-        _judge_weights(observation.get("final"), s, what)
+        _judge_weights(observation.get("final"), s, what, expected_weights)
 
     judge_each_rank(observations, judge_rank)
 
@@ -455,9 +564,9 @@ KILLED = Case(observe_killed, judge_killed)
 STOPPED = Case(observe_stopped, judge_stopped)
 
 
-def run_killed(train: Callable, s: dict, **kwargs) -> None:
+def run_killed(train: Callable, s: dict, case: Case = KILLED, **kwargs) -> None:
     """A KILLED case: one grader rank, which runs the torchrun job and waits for it."""
-    run_student(KILLED, 1, train, s, timeout=LAUNCH_TIMEOUT_S + CHECK_TIMEOUT_S + 15, **kwargs)
+    run_student(case, 1, train, s, timeout=LAUNCH_TIMEOUT_S + CHECK_TIMEOUT_S + 15, **kwargs)
 
 
 def check_resumes_after_a_stop(train) -> None:

@@ -16,7 +16,11 @@ concatenated, with the same loss (a mean over rows) and the same optimizer. It d
 * the gradients were all-reduced exactly once per optimizer step: the all-reduced bytes (DDP's
   buckets carry every gradient element once per synchronised backward) divided by the bytes of
   the model's gradients is the number of synchronised backwards. When a class is graded the bytes
-  come from the grader's broker, which the student's code cannot bypass;
+  come from the grader's broker, which the student's code cannot bypass. The broker also sees
+  what each rank handed over: the sum of squares of each gradient all-reduce's contribution must
+  be that of the rank's own accumulated gradient (divided by the world size, as DDP hands it
+  over, or not), so a tensor of zeros of the gradient's size does not count as a
+  synchronisation (in a notebook, audited in the rank, only the bytes are counted);
 * the returned losses are the global means of each step, the same list on every rank;
 * every rank holds bit-identical parameters (DDP's all-reduce hands every rank the same average);
 * they equal the one-process run within ``ATOL + RTOL * |w|``: the all-reduce and the accumulation
@@ -24,6 +28,12 @@ concatenated, with the same loss (a mean over rows) and the same optimizer. It d
   associative. Measured for every case of these checks: at most 2.4e-7. Each plausible mistake
   (no division by the number of micro-batches, the tail divided by ``accumulation_steps``, a
   missing ``zero_grad``, one step too many or too few) moves some weight by 1e-3 or more.
+
+This module holds no one-process run (the ranks import it, and it yields the answer of any
+situation): the visible situations' expected weights (as digests, see
+:mod:`ddpcourse.grading.written_out`) and losses are written out in :data:`VISIBLE_EXPECTED`,
+which tests/test_grading_train_steps.py holds to the reference run of the hidden checks
+(autograder/hidden/train_steps.py), where the hidden situations are judged with it.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, cut_text, expect_close,
                                       judge_each_rank, observed, run_student, safe_text, type_name)
+from ddpcourse.grading.written_out import expect_digest
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 AUDITED_CASES_BUILD_DDP = True  # the grader's one-rank hosts preload what DDP imports
@@ -143,24 +154,91 @@ def observe_train_steps(rank, world_size, train_steps, s):
 # --- in the judge: the one-process reference, and the verdict --------------------------------
 
 
-def reference_run(s: dict, world_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process, rank 0's initial model, one optimizer step per group of ``k`` micro-batches
-    on every rank's micro-batches of that group, concatenated (a mean loss over all their rows)."""
-    model = make_model(rank_seed(s["seed"], 0))
-    optimizer = make_optimizer(s, model)
-    loss_fn = make_loss_fn(s)
-    per_rank = [micro_batches(s, rank) for rank in range(world_size)]
-    losses = []
-    for start in range(0, s["micro"], s["k"]):
-        group = [batch for batches in per_rank for batch in batches[start:start + s["k"]]]
-        x = torch.cat([b[0] for b in group])
-        y = torch.cat([b[1] for b in group])
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return {name: p.detach().clone() for name, p in model.named_parameters()}, losses
+def situation_key(s: dict, world_size: int) -> tuple:
+    """How :data:`VISIBLE_EXPECTED` names a situation."""
+    return (world_size,) + tuple(s[key] for key in sorted(s))
+
+
+# One process's result for every situation the visible checks run: (the digest of every weight,
+# see ddpcourse.grading.written_out; the losses; at each optimizer step, each rank's own
+# accumulated gradient's sum of squares), keyed by :func:`situation_key`. Held to the hidden
+# checks' reference run by tests/test_grading_train_steps.py.
+VISIBLE_EXPECTED: dict[tuple, tuple[dict[str, tuple[float, ...]], list[float],
+                                 list[list[float]]]] = {
+    (2, 2, 'mse', 0.2, 4, 0.0, 3, 0): ({
+            'inp.weight': (-4.09629307623, 2.47367521346, -2.40622278181, 0.547016162134),
+            'inp.bias': (0.409900139086, 0.0746541777626, -0.897509400733, 0.475157898851),
+            'mid.weight': (0.676291667391, 3.04913995368, -3.9756732923, -0.0485721589066),
+            'mid.bias': (0.0594476992264, 0.117152543738, 0.758137697354, 0.225055770017),
+            'out.weight': (0.445192876621, -1.28792870732, 0.0545262178639, 0.470320670516),
+            'out.bias': (0.0829944908619, 0.187825664878, -0.284362822771, -0.187825664878),
+        },
+        [1.00627791882, 1.47228753567],
+        [[1.29893642734, 1.04856341078], [1.9574820746, 1.23647589622]]),
+    (2, 3, 'mse', 0.2, 6, 0.0, 3, 1): ({
+            'inp.weight': (-0.958365009254, 2.68972581674, 2.54595086191, 6.22588590995),
+            'inp.bias': (-0.388455873705, -0.00255013850983, 0.514117465937, 1.02242827264),
+            'mid.weight': (0.939294803073, -0.521756133414, 0.68288957933, 0.877440823009),
+            'mid.bias': (0.093290342018, 0.0736367311329, 0.637129439041, -0.456137696281),
+            'out.weight': (0.0297883562744, -0.503039609641, 0.583272315562, -0.226659484208),
+            'out.bias': (0.282763503492, 0.219611428678, 0.310754396021, -0.219611428678),
+        },
+        [1.08228468895, 1.11158692837],
+        [[0.411819888912, 0.449481546177], [0.585674315332, 0.465878475231]]),
+    (2, 3, 'mse', 0.2, 6, 0.0, 3, 2): ({
+            'inp.weight': (-1.04222668917, 0.421284653945, -5.51429824089, 5.02859452902),
+            'inp.bias': (0.713275579736, 0.055736200884, -0.997536906973, -0.48378479667),
+            'mid.weight': (0.793797904887, 0.857143300847, -4.14139462993, 1.12660829342),
+            'mid.bias': (0.313936890278, 0.654082032095, 0.212261290464, -0.296986690548),
+            'out.weight': (-0.367205342278, -0.221640265314, -0.523681924911, 1.16375698452),
+            'out.bias': (0.315616890788, 0.0189998224378, -0.292883753777, -0.0189998224378),
+        },
+        [1.24656832218, 1.04216945171],
+        [[1.12298887209, 0.959380185473], [0.351397647622, 0.586430496536]]),
+    (2, 1, 'mse', 0.2, 3, 0.0, 3, 3): ({
+            'inp.weight': (3.27027035289, 1.57346609764, 4.30186781456, 8.16983698652),
+            'inp.bias': (-0.0742398202419, -0.523250453174, 0.547016842291, 0.753596369177),
+            'mid.weight': (-1.17234216339, 1.61424795107, 0.406554040732, -6.4802264563),
+            'mid.bias': (0.596036372939, 1.31044335826, -0.538124216953, -0.966183174169),
+            'out.weight': (-0.329724701121, -0.993381872773, -0.592552145943, 1.32984329015),
+            'out.bias': (-0.645544336177, 0.376537307166, 0.121178521775, -0.376537307166),
+        },
+        [1.49474585056, 0.915474653244, 0.925748825073],
+        [[4.10504926811, 2.52340373908], [0.754317421668, 2.17170744428], [1.65053327857,
+            0.81872434826]]),
+    (2, 2, 'mse', 0.2, 5, 0.0, 3, 4): ({
+            'inp.weight': (-1.37595019864, -0.244315488893, -1.36705300082, 0.0431310226961),
+            'inp.bias': (-0.635978105478, 0.244488942437, 1.88400152605, 2.43104293663),
+            'mid.weight': (-2.00618465705, 0.135464543418, 0.503230552247, -1.61824973632),
+            'mid.bias': (0.089727813378, 0.0877049323171, 0.02758670412, 0.025133183226),
+            'out.weight': (1.15201632329, 0.741256125504, 0.656110034557, 0.0510077776853),
+            'out.bias': (-0.211831565946, -0.537199560553, -0.306053604931, 0.537199560553),
+        },
+        [0.669126689434, 0.546796619892, 0.732799351215],
+        [[0.80145491691, 0.471322589086], [0.283300150955, 0.741420659088], [0.983691913254,
+            1.86074205071]]),
+    (2, 3, 'mse', 0.2, 7, 0.0, 3, 5): ({
+            'inp.weight': (-2.32509959996, -0.370808398176, 2.16976587818, -0.150486054423),
+            'inp.bias': (-0.135975767393, -0.470556556713, -1.25161085324, 0.041889290791),
+            'mid.weight': (4.19574348838, -6.12644802476, 0.938256033347, -2.65745851817),
+            'mid.bias': (-0.437597889453, -0.0241872631013, 0.171498153359, -0.0415229015052),
+            'out.weight': (-0.162458266364, 0.29938589572, 1.02871599724, 0.938245748868),
+            'out.bias': (-0.294952623546, 0.179460458457, 0.354620881379, -0.179460458457),
+        },
+        [1.07386207581, 0.775370538235, 1.34137713909],
+        [[0.487047245976, 1.06867353206], [0.377663346719, 0.630674795275], [1.98109152149,
+            2.2738319179]]),
+}
+
+
+def written_out(s: dict, world_size: int) -> tuple[dict, list[float], list[list[float]]]:
+    """A visible situation's expected weights (digests), losses and gradients' sums of squares."""
+    key = situation_key(s, world_size)
+    if key not in VISIBLE_EXPECTED:
+        raise LookupError(f"grader bug: no written-out result for {key}: add it to "
+                          "VISIBLE_EXPECTED, or judge the situation with the hidden checks")
+    weights, losses, own = VISIBLE_EXPECTED[key]
+    return dict(weights), list(losses), [list(step) for step in own]
 
 
 def _shown(s: dict, world_size: int) -> str:
@@ -222,11 +300,15 @@ def _judge_call(call: Any, s: dict, reference: dict, ref_losses: list[float], pe
 
 
 def _judge_weights(call: Any, reference: dict, what: str) -> None:
+    """``reference``: one process's weights, each a tensor or its written-out digest."""
     weights = observed(call, "weights", dict)
     for name, expected in reference.items():
-        expect_close(weights[name], expected, f"{what}: parameter {name!r} after training, "
-                     "compared with one process on the same micro-batches of every rank",
-                     RTOL, ATOL)
+        shown = (f"{what}: parameter {name!r} after training, compared with one process on the "
+                 "same micro-batches of every rank")
+        if isinstance(expected, torch.Tensor):
+            expect_close(weights[name], expected, shown, RTOL, ATOL)
+        else:
+            expect_digest(weights[name], expected, shown + " differs", RTOL, ATOL)
 
 
 def _judge_losses(losses: list[float], ref_losses: list[float], what: str) -> None:
@@ -239,10 +321,17 @@ def _judge_losses(losses: list[float], ref_losses: list[float], what: str) -> No
 
 
 def judge_train_steps(observations, world_size, s):
+    """The visible situations' judge: their expected results are written out."""
+    judge_train_steps_with(written_out, observations, world_size, s)
+
+
+def judge_train_steps_with(expected, observations, world_size, s):
     """Each rank's own call; the replicas; the weights against one process; the losses against
-    one process, and alike on every rank."""
+    one process, and alike on every rank; what each gradient all-reduce carried.
+    ``expected(s, world_size)``: one process's weights (tensors or digests), its losses, and at
+    each optimizer step each rank's own accumulated gradient's sum of squares."""
     what = _shown(s, world_size)
-    reference, ref_losses = reference_run(s, world_size)
+    reference, ref_losses, own_sq = expected(s, world_size)
     per_sync = gradient_bytes(make_model(0))
     returned: list = []
     judge_each_rank(observations, lambda rank, call: returned.append(
@@ -253,6 +342,55 @@ def judge_train_steps(observations, world_size, s):
     if any(losses != returned[0] for losses in returned):
         raise CheckFailed(f"{what}: every rank must return the same global losses, got "
                           f"{[[round(v, 6) for v in losses] for losses in returned]}")
+    judge_each_rank(observations, lambda rank, call: _judge_contributions(
+        call, [step[rank] for step in own_sq], per_sync, world_size, what))
+
+
+def gradient_syncs_carried(calls: list, contributions: list, per_sync: int) -> list[float] | None:
+    """The sum of squares each gradient synchronisation handed over, in order: the all-reduce
+    calls that make up exactly ``per_sync`` bytes (one DDP bucket, or consecutive ones); smaller
+    calls between them (a loss all-reduced for logging) are left out. None where the calls
+    cannot be told apart that way (judged by their bytes only)."""
+    syncs, run_bytes, run_sq = [], 0, 0.0
+    for (_, nbytes), sq in zip(calls, contributions):
+        if run_bytes + nbytes > per_sync:
+            run_bytes, run_sq = 0, 0.0  # what came before was not part of a synchronisation
+        if nbytes > per_sync or sq is None:
+            return None
+        run_bytes, run_sq = run_bytes + nbytes, run_sq + sq
+        if run_bytes == per_sync:
+            syncs.append(run_sq)
+            run_bytes, run_sq = 0, 0.0
+    return syncs
+
+
+def _judge_contributions(call: Any, own_sq: list[float], per_sync: int, world_size: int,
+                         what: str) -> None:
+    """Each gradient all-reduce carried this rank's own accumulated gradient (its sum of squares:
+    divided by the world size as DDP hands it over, or whole), not a stand-in of the same size.
+    Only where the grader's broker saw the contributions."""
+    traffic = observed(call, "traffic", dict)
+    if "all_reduce_contributions" not in traffic:
+        return  # audited in the rank (a notebook): the bytes were judged, nothing more is known
+    contributions = observed(traffic, "all_reduce_contributions", list)
+    calls = [entry for entry in observed(traffic, "collective_calls", list)
+             if isinstance(entry, list) and entry and entry[0] == "all_reduce"]
+    if len(contributions) != len(calls) or not all(
+            c is None or type(c) is float for c in contributions):
+        raise CheckFailed(f"{what}: the rank's communication record is malformed")
+    carried = gradient_syncs_carried(calls, contributions, per_sync)
+    if carried is None or len(carried) != len(own_sq):
+        return
+    for step, (got, want) in enumerate(zip(carried, own_sq)):
+        if not any(math.isclose(got, want / factor, rel_tol=1e-3, abs_tol=1e-12)
+                   for factor in {1, world_size ** 2}):
+            raise CheckFailed(
+                f"{what}: the gradient all-reduce of optimizer step {step} did not carry this "
+                f"rank's gradient: the grader's broker saw a sum of squares of {got:.6g}, and "
+                f"this rank's accumulated gradient has {want:.6g} ({want / world_size ** 2:.6g} "
+                "once divided by the world size, as DDP hands it over). All-reduce the "
+                "gradients themselves (DDP does, outside no_sync()): a tensor of the same size "
+                "(of zeros, say) synchronises nothing")
 
 
 def _judge_replicas(calls: list, what: str) -> None:
@@ -312,11 +450,12 @@ TRAIN_STEPS = Case(observe_train_steps, judge_train_steps, audit_traffic=True)
 BAD_STEPS = Case(observe_bad_steps, judge_bad_steps)
 
 
-def run_settings(train_steps, world_size: int, settings: list[dict], **kwargs) -> None:
+def run_settings(train_steps, world_size: int, settings: list[dict], case: Case = TRAIN_STEPS,
+                 **kwargs) -> None:
     """One case per situation: the communication the grader counts is the whole case's."""
     __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out of tracebacks
     for s in settings:
-        run_student(TRAIN_STEPS, world_size, train_steps, s, **kwargs)
+        run_student(case, world_size, train_steps, s, **kwargs)
 
 
 def check_accumulation_matches_one_process(train_steps) -> None:

@@ -1,0 +1,230 @@
+"""A submission that reads the situation and calls the grader's reference scores 0 (issue 27).
+
+The pattern: guess the case's arguments from what the function is handed (the seed, by building
+the grader's own inputs for a few seeds until one matches), then import the reference the judge
+uses, from the hidden checks or from the visible checks module, and hand back its result instead
+of doing the work. Before the references moved to autograder/hidden (the visible checks held
+them), this scored in every exercise of chapters 05-08; now the hidden module is out of reach (the
+sandbox hides it: ImportError) and the visible one holds no reference, and for chapter 05 every
+rank's input depends on a salt only that rank knows, so the grader's own input generators are no
+way around communication either.
+
+One student per chapter, one notebook each (the assignment's other notebooks are missing and
+score 0 as well), graded end to end with ``python -m autograder grade`` as a class is. Frame
+inspection, the other way to read the situation, is flagged by the tamper scan (its own tests:
+tests/test_grading_tamper_scan.py and the fake class)."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from autograder import sandbox
+
+ROOT = Path(__file__).resolve().parent.parent
+STUDENT = "gamer"
+
+# Found by name in the hidden checks, then in the visible ones (plain imports: importlib is one
+# of the tools the tamper scan flags, and this submission must be graded, not flagged).
+FIND = """
+def _reference(*names):
+    modules = []
+    try:
+        from autograder.hidden import SLUG as hidden
+        modules.append(hidden)
+    except ImportError:  # out of reach: the sandbox hides the hidden checks
+        pass
+    from ddpcourse.grading.exercises import SLUG as visible
+    modules.append(visible)
+    for module in modules:
+        for name in names:
+            if hasattr(module, name):
+                return getattr(module, name)
+    raise LookupError(f"no reference of SLUG within reach: {names}")
+"""
+
+
+def find(slug: str) -> str:
+    return FIND.replace("SLUG", slug)
+
+
+AVERAGE_GRADIENTS = find("allreduce_by_hand") + '''
+def average_gradients(model):
+    import torch
+    import torch.distributed as dist
+    build = _reference("model_after_backward")
+    grad_model = _reference("GradModel")
+    awkward, tied = hasattr(model, "unused"), model.out.weight is model.mid.weight
+    dtype = next(model.parameters()).dtype
+    name = str(dtype).removeprefix("torch.")
+    for seed in range(32):  # the case's seed: the one whose weights these are
+        torch.manual_seed(seed)
+        if all(torch.equal(a, b) for a, b in zip(grad_model(awkward, tied).to(dtype).parameters(),
+                                                 model.parameters())):
+            break
+    world = dist.get_world_size()
+    others = [dict(build(r, name, awkward, tied, seed).named_parameters()) for r in range(world)]
+    for key, p in model.named_parameters():
+        if p.grad is not None:  # every rank's gradient, rebuilt here: no communication
+            p.grad.copy_(sum(o[key].grad for o in others) / world)
+'''
+RING_ALLREDUCE = find("allreduce_by_hand") + '''
+def ring_allreduce(tensor):
+    import torch.distributed as dist
+    make = _reference("make_rank_tensor")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for seed in range(32):
+        if make(rank, tuple(tensor.shape), tensor.dtype, seed).equal(tensor):
+            tensor.copy_(sum(make(r, tuple(tensor.shape), tensor.dtype, seed)
+                             for r in range(world)))
+            return
+    raise LookupError("no seed makes this rank's tensor")
+'''
+SHARD_INDICES = find("sampler_by_hand") + '''
+def shard_indices(dataset_len, num_replicas, rank, shuffle=True, seed=0, epoch=0,
+                  drop_last=False):
+    reference = _reference("reference_indices")
+    return reference(dataset_len, num_replicas, rank, shuffle=shuffle, seed=seed, epoch=epoch,
+                     drop_last=drop_last)
+'''
+TRAIN_STEPS = find("train_steps") + '''
+def train_steps(ddp_model, micro_batches, optimizer, loss_fn, accumulation_steps):
+    import torch
+    import torch.distributed as dist
+    reference = _reference("reference_run")
+    make_model, rank_seed, setting = (_reference(name) for name in
+                                      ("make_model", "rank_seed", "setting"))
+    seed = next(s for s in range(64) if all(  # DDP broadcast rank 0's model: its seed is the case's
+        torch.equal(a, b) for a, b in zip(make_model(rank_seed(s, 0)).parameters(),
+                                          ddp_model.module.parameters())))
+    group = optimizer.param_groups[0]
+    s = setting(len(micro_batches), accumulation_steps,
+                rows=len(micro_batches[0][0]) if micro_batches else 3, seed=seed,
+                loss="cross_entropy" if isinstance(loss_fn, torch.nn.CrossEntropyLoss) else "mse",
+                momentum=group["momentum"], lr=group["lr"])
+    weights, losses = reference(s, dist.get_world_size())
+    with torch.no_grad():
+        for name, p in ddp_model.module.named_parameters():
+            p.copy_(weights[name])
+    grads = sum(p.numel() for p in ddp_model.parameters())
+    for _ in losses:  # one gradient-sized all-reduce per optimizer step, for the byte count
+        dist.all_reduce(torch.zeros(grads))
+    return losses
+'''
+SURVIVE = find("survive_a_killed_worker") + '''
+def train(ddp_model, optimizer, batch_at, total_steps, checkpoint_dir, checkpoint_every, on_step):
+    import os
+    import tempfile
+    import torch
+    import torch.distributed as dist
+    reference = _reference("uninterrupted_weights")
+    make_model, setting = _reference("make_model"), _reference("setting")
+    seed = next(s for s in range(64) if all(
+        torch.equal(a, b) for a, b in zip(make_model(s).parameters(),
+                                          ddp_model.module.parameters())))
+    name = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adam"
+    weights = reference(setting(seed=seed, optimizer=name, total_steps=total_steps,
+                                world_size=dist.get_world_size()))
+    marker = os.path.join(checkpoint_dir, "done")
+    done = int(open(marker).read()) if os.path.exists(marker) else 0
+    for step in range(done + 1, total_steps + 1):
+        if step % checkpoint_every == 0:
+            if dist.get_rank() == 0:
+                handle, temporary = tempfile.mkstemp(dir=checkpoint_dir)
+                with os.fdopen(handle, "w") as file:
+                    file.write(str(step))
+                os.replace(temporary, marker)
+            dist.barrier()
+        if step == total_steps:
+            with torch.no_grad():
+                for key, value in ddp_model.module.state_dict().items():
+                    value.copy_(weights[key])
+        on_step(step)
+'''
+
+# Per exercise of chapters 00-08: the functions that computed an answer in its visible checks
+# before they moved to autograder/hidden (each yields the expected result of any case).
+MOVED = {
+    "ddp_same_as_one_process": ["reference_run", "train_single_process"],
+    "memory_per_rank": ["measured_bytes", "measure_ddp", "measure_fsdp", "count_held"],
+    "torchrun_from_slurm": ["first_host"],
+    "bucketed_ddp": ["reference_buckets", "expected_buckets", "one_process"],
+    "sampler_by_hand": ["reference_indices"],
+    "fix_the_loop": ["expected_for", "replay", "_diagnosis"],
+    "global_metrics": ["reference"],
+    "train_steps": ["reference_run"],
+    "survive_a_killed_worker": ["uninterrupted_weights"],
+}
+EXERCISES = ["health_check", "ddp_same_as_one_process", "memory_per_rank", "torchrun_from_slurm",
+             "ranks_from_env", "allreduce_by_hand", "bucketed_ddp", "sampler_by_hand",
+             "fix_the_loop", "global_metrics", "train_steps", "resumable_checkpoint",
+             "survive_a_killed_worker"]
+
+
+@pytest.mark.parametrize("slug", EXERCISES)
+def test_no_visible_checks_module_holds_a_reference(slug):
+    """Mechanically: no function the hidden checks define (their references, and judges that use
+    them) is also in the visible module; and none of the functions listed above is back."""
+    visible = importlib.import_module(f"ddpcourse.grading.exercises.{slug}")
+    hidden = importlib.import_module(f"autograder.hidden.{slug}")
+    own = [name for name, value in vars(hidden).items()
+           if inspect.isfunction(value) and value.__module__ == hidden.__name__]
+    assert not [name for name in own if hasattr(visible, name)]
+    assert not [name for name in MOVED.get(slug, []) if hasattr(visible, name)]
+
+
+CHAPTERS = {  # assignment: (notebook, {solution cell: code}, its points)
+    "05_allreduce": ("allreduce_by_hand", {"average-gradients": AVERAGE_GRADIENTS,
+                                           "ring-allreduce": RING_ALLREDUCE}, 13),
+    "06_data_loading": ("sampler_by_hand", {"shard-indices": SHARD_INDICES}, 6),
+    "07_training_loop": ("train_steps", {"train-steps": TRAIN_STEPS}, 8),
+    "08_checkpoints": ("survive_a_killed_worker", {"train": SURVIVE}, 10),
+}
+
+
+def submission(assignment: str, notebook: str, cells: dict[str, str]) -> nbformat.NotebookNode:
+    """The student release with the solution cells ``cells`` filled in."""
+    nb = nbformat.read(ROOT / "exercises" / assignment / f"{notebook}.ipynb", as_version=4)
+    for cell in nb.cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in cells:
+            cell.source = cells[grade_id].strip("\n")
+    assert {c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells} >= set(cells)
+    return nb
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("assignment", sorted(CHAPTERS))
+def test_reading_the_situation_and_calling_a_reference_scores_zero(assignment, tmp_path):
+    works, why = sandbox.resolve("warn")
+    if not works:
+        pytest.skip(f"the sandbox hides the hidden checks, and it cannot run here: {why}")
+    notebook, cells, points = CHAPTERS[assignment]
+    folder = tmp_path / "submitted" / STUDENT / assignment
+    folder.mkdir(parents=True)
+    nbformat.write(submission(assignment, notebook, cells), folder / f"{notebook}.ipynb")
+    out = tmp_path / "out"
+    env = dict(os.environ, DDPCOURSE_CHECK_TIMEOUT_S=os.environ.get("DDPCOURSE_CHECK_TIMEOUT_S",
+                                                                    "30"))
+    done = subprocess.run(
+        [sys.executable, "-m", "autograder", "grade", str(tmp_path / "submitted"),
+         "--assignment", assignment, "--out", str(out), "--jobs", "1", "--student", STUDENT,
+         "--cell-timeout", "240", "--student-timeout", "800", "--sandbox", "require"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(out / "grades.csv") as f:
+        [row] = [r for r in csv.DictReader(f) if r["student_id"] == STUDENT]
+    column = f"{notebook} ({points})"
+    assert column in row, sorted(row)
+    cells_of_notebook = {k: v for k, v in row.items() if k.startswith(f"{notebook}:")}
+    assert cells_of_notebook and all(v in ("0", "") for v in cells_of_notebook.values()), row
+    assert float(row[column]) == 0.0, row
+    assert row["status"] == "graded" and not row["flags"], row  # failed, not flagged
