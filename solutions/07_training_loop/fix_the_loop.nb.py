@@ -93,8 +93,15 @@ def watch(rank, world_size, train_fn, rows=4, steps=5, lr=0.5, seed=0):
     rank0_backbone_seed, rank0_head_seed = checks.module_seeds(seed, 0)
     one_backbone = checks.make_backbone(rank0_backbone_seed)
     one_head = checks.make_head(rank0_head_seed)
-    one_losses = checks.train_one_process(one_backbone, one_head,
-                                          checks.global_batches(world_size, rows, steps, seed), lr)
+    # One process, one step per global batch, mean cross-entropy, plain SGD on both modules.
+    one_optimizer = torch.optim.SGD([*one_backbone.parameters(), *one_head.parameters()], lr=lr)
+    one_losses = []
+    for x, y in checks.global_batches(world_size, rows, steps, seed):
+        one_optimizer.zero_grad()
+        one_loss = F.cross_entropy(one_head(one_backbone(x)), y)
+        one_loss.backward()
+        one_optimizer.step()
+        one_losses.append(one_loss.item())
     report = {}
     for name, mine, one in (("backbone", backbone, one_backbone), ("head", head, one_head)):
         everyone = [torch.empty_like(flat(mine)) for _ in range(world_size)]

@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ddpcourse.grading.checks import (Case, CheckFailed, cut_text, every_ranks_calls,
                                       judge_each_rank, observed, reported_tensors, run_student,
@@ -133,23 +132,6 @@ def global_batches(world_size: int, rows: int, steps: int, seed: int) -> list:
     per_rank = [make_batches(seed, rank, steps, rows) for rank in range(world_size)]
     return [(torch.cat([batches[step][0] for batches in per_rank]),
              torch.cat([batches[step][1] for batches in per_rank])) for step in range(steps)]
-
-
-def train_one_process(backbone: nn.Module, head: nn.Module, batches: list,
-                      lr: float) -> list[float]:
-    """One process, one step per global batch ``(x, y)``, mean cross-entropy, plain SGD on both
-    modules. Returns each step's loss (before its update). The notebook's locked ``watch`` cell
-    shows it beside the student's loop; no judge uses it (the hidden checks have their own
-    reference). It stays here only for that cell: see the 07 notebook."""
-    optimizer = torch.optim.SGD([*backbone.parameters(), *head.parameters()], lr=lr)
-    losses = []
-    for x, y in batches:
-        optimizer.zero_grad()
-        loss = F.cross_entropy(head(backbone(x)), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
