@@ -34,10 +34,10 @@
 # checks which steps ran after the restart.
 #
 # **Self-check** from the repository root: `pytest exercises/08_checkpoints/survive_a_killed_worker.ipynb`.
-# Hidden tests (a worker that raises instead, rank 0 failing, a fault right at a checkpoint or
-# before the first one, two interruptions, SGD with momentum, one rank) run when the notebook is
-# graded. Keep the name and signature exactly as given, and do not reassign library functions
-# (the tests check for it).
+# Hidden tests (a worker that raises instead, rank 0 failing, rank 0 killed while it writes a
+# checkpoint, a fault right at a checkpoint or before the first one, two interruptions, SGD with
+# momentum, one rank) run when the notebook is graded. Keep the name and signature exactly as
+# given, and do not reassign library functions (the tests check for it).
 
 # %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Setup - locked. Run it first, and keep it the FIRST code cell: the tests rely on it.
@@ -208,7 +208,7 @@ print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-survive-a-killed-worker-hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # Hidden tests: they run when your notebook is graded.
-# (3 points) rank 0 raising right after a checkpoint under torchrun; a stop before the first checkpoint; two stops; SGD with momentum; one rank.
+# (3 points) rank 0 raising right after a checkpoint under torchrun; rank 0 killed while it writes a checkpoint; a stop before the first checkpoint; two stops; SGD with momentum; one rank.
 from ddpcourse.grading import integrity
 integrity.assert_untampered()
 ### BEGIN HIDDEN TESTS
