@@ -318,17 +318,18 @@ def chapters_of(c: Claim) -> list[str]:
 
 
 def _by_chapter(claims: Claims) -> list[str]:
-    """One short section per chapter (anchor ``chapter-NN``, which each lesson links to): the
-    rows whose experiment that chapter holds."""
+    """One short section per chapter, whose heading "Chapter NN" gives the anchor ``chapter-NN``
+    (GitHub's and the course site's heading anchors) each lesson links to: the rows whose
+    experiment that chapter holds, by section."""
     lines = ["## By chapter", "",
              "The rows whose experiment each chapter holds (a lesson links to its own list).", ""]
     folders = {p.name[:2]: p.name for p in sorted((ROOT / "chapters").iterdir())
                if p.is_dir() and p.name[:2].isdigit()}
     for number, folder in folders.items():
         rows = [c for c in claims.claims if number in chapters_of(c)]
-        lesson = f"{folder}/{folder}.ipynb"
-        links = ", ".join(f"[{_cell(c.claim).rstrip('.')}](#{c.id})" for c in rows)
-        lines += [f"### <a id=\"chapter-{number}\"></a>Chapter {number}: [{folder}]({lesson})", "",
-                  f"{len(rows)} claims: {links}." if rows else "No claim of the article is "
-                  "tested here.", ""]
+        lines += [f"### Chapter {number}", "", f"Lesson: [{folder}]({folder}/{folder}.ipynb). "
+                  + (f"{len(rows)} claims:" if rows else "No claim of the article is tested here."),
+                  ""]
+        lines += [f"* §{c.section} {_cell(c.claim)} (**{c.verdict}**)" for c in rows]
+        lines += [""] if rows else []
     return lines
