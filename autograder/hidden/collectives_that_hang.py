@@ -19,7 +19,6 @@ visible module writes them out (``WRITTEN_OUT``).
 from __future__ import annotations
 
 import math
-import pprint
 
 import torch
 from torch.nn import functional as F
@@ -29,6 +28,7 @@ from ddpcourse.grading.exercises import collectives_that_hang as visible
 from ddpcourse.grading.exercises.collectives_that_hang import (
     HINTS, _run, _state, digest, lab4_batches, make_batch, make_batches, make_bn_model,
     make_linear, model_seed, predictions, shard_batches)
+from ddpcourse.grading.written_out import table_literal
 
 LOG_SITUATIONS = {3: [(3, 5, 0.1, 2, 2)], 4: [(2, 3, 0.2, 1, 3)]}
 EVALUATE_SITUATIONS = {3: [(4, 2, 3, 0.1, 4)], 4: [(3, 2, 1, 0.2, 5)]}
@@ -269,20 +269,5 @@ def written_out() -> dict[str, dict[str, dict]]:
     return out
 
 
-def format_written_out(truths: dict) -> str:
-    """``truths`` as the Python literal the visible module holds: one line per list of numbers."""
-    def literal(value, indent: int) -> str:
-        if isinstance(value, dict):
-            inner = " " * (indent + 4)
-            items = [f"{inner}{key!r}: {literal(item, indent + 4)}," for key, item in value.items()]
-            return "{\n" + "\n".join(items) + "\n" + " " * indent + "}"
-        if isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
-            inner = " " * (indent + 4)
-            items = [f"{inner}{literal(item, indent + 4)}," for item in value]
-            return "[\n" + "\n".join(items) + "\n" + " " * indent + "]"
-        return pprint.pformat(value, width=10_000)
-    return "WRITTEN_OUT: dict[str, dict[str, dict]] = " + literal(truths, 0)
-
-
 if __name__ == "__main__":
-    print(format_written_out(written_out()))
+    print(table_literal(written_out()))

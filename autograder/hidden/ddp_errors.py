@@ -15,7 +15,6 @@ writes them out (``WRITTEN_OUT``).
 
 from __future__ import annotations
 
-import pprint
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +25,7 @@ from ddpcourse.grading.exercises.ddp_errors import (_rank_seed, _state, aux_batc
                                                     make_net, make_optimizer, make_tower,
                                                     net_batch, resume_setting, tower_batches,
                                                     tower_setting, unused_setting)
+from ddpcourse.grading.written_out import table_literal
 
 UNUSED_SITUATIONS = [
     (3, unused_setting(seed=11, steps=5, rows=3, aux_steps=(1, 2))),
@@ -144,21 +144,5 @@ def written_out() -> dict[str, dict[str, dict]]:
                       digests(tower_truth(visible.VISIBLE_TOWER, 2))}}
 
 
-def format_written_out(truths: dict) -> str:
-    """``truths`` as the Python literal the visible module holds: one line per list of numbers."""
-    def literal(value, indent: int) -> str:
-        if isinstance(value, dict):
-            inner = " " * (indent + 4)
-            items = [f"{inner}{key!r}: {literal(item, indent + 4)}," for key, item in value.items()]
-            return "{\n" + "\n".join(items) + "\n" + " " * indent + "}"
-        if isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
-            inner = " " * (indent + 4)
-            items = [f"{inner}{literal(item, indent + 4)}," for item in value]
-            return "[\n" + "\n".join(items) + "\n" + " " * indent + "]"
-        return pprint.pformat(value, width=10_000)
-    return "WRITTEN_OUT: dict[str, dict[str, dict]] = " + literal(truths, 0)
-
-
-
 if __name__ == "__main__":
-    print(format_written_out(written_out()))
+    print(table_literal(written_out()))

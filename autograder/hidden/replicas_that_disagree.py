@@ -14,7 +14,6 @@ visible module writes them out (``WRITTEN_OUT``)."""
 
 from __future__ import annotations
 
-import pprint
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +23,7 @@ from ddpcourse.grading.exercises import replicas_that_disagree as visible
 from ddpcourse.grading.exercises.replicas_that_disagree import (
     BATCHNORM_MISTAKES, TEMPERATURE_MISTAKES, Situation, _state, eval_inputs,
     make_batches, make_batchnorm_model, make_criterion, make_model, model_seed, run_join)
+from ddpcourse.grading.written_out import table_literal
 
 JOIN_SITUATIONS = {
     3: [("torchrun", 1), ("srun", 1), ("none", 1)],
@@ -205,21 +205,5 @@ def written_out() -> dict[str, dict[str, dict]]:
     return out
 
 
-def format_written_out(truths: dict) -> str:
-    """``truths`` as the Python literal the visible module holds: one line per list of numbers."""
-    def literal(value, indent: int) -> str:
-        if isinstance(value, dict):
-            inner = " " * (indent + 4)
-            items = [f"{inner}{key!r}: {literal(item, indent + 4)}," for key, item in value.items()]
-            return "{\n" + "\n".join(items) + "\n" + " " * indent + "}"
-        if isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
-            inner = " " * (indent + 4)
-            items = [f"{inner}{literal(item, indent + 4)}," for item in value]
-            return "[\n" + "\n".join(items) + "\n" + " " * indent + "]"
-        return pprint.pformat(value, width=10_000)
-    return "WRITTEN_OUT: dict[str, dict[str, dict]] = " + literal(truths, 0)
-
-
-
 if __name__ == "__main__":
-    print(format_written_out(written_out()))
+    print(table_literal(written_out()))

@@ -18,7 +18,6 @@ module writes them out (``WRITTEN_OUT``).
 from __future__ import annotations
 
 import math
-import pprint
 
 import torch
 from torch import nn
@@ -29,6 +28,7 @@ from ddpcourse.grading.checks import Case
 from ddpcourse.grading.exercises import wrong_numbers as visible
 from ddpcourse.grading.exercises.wrong_numbers import (accuracy_situation, clipping_situation,
                                                        epochs_situation)
+from ddpcourse.grading.written_out import table_literal
 
 ACCURACY_SITUATIONS = {  # world_size: [...]; sizes k * world_size - 1 and k * world_size + 1
     3: [accuracy_situation(8, 3, seed=2), accuracy_situation(10, 2, seed=3)],
@@ -187,20 +187,5 @@ def written_out() -> dict[str, dict[str, dict]]:
     return out
 
 
-def format_written_out(truths: dict) -> str:
-    """``truths`` as the Python literal the visible module holds: one line per list of numbers."""
-    def literal(value, indent: int) -> str:
-        if isinstance(value, dict):
-            inner = " " * (indent + 4)
-            items = [f"{inner}{key!r}: {literal(item, indent + 4)}," for key, item in value.items()]
-            return "{\n" + "\n".join(items) + "\n" + " " * indent + "}"
-        if isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
-            inner = " " * (indent + 4)
-            items = [f"{inner}{literal(item, indent + 4)}," for item in value]
-            return "[\n" + "\n".join(items) + "\n" + " " * indent + "]"
-        return pprint.pformat(value, width=10_000)
-    return "WRITTEN_OUT: dict[str, dict[str, dict]] = " + literal(truths, 0)
-
-
 if __name__ == "__main__":
-    print(format_written_out(written_out()))
+    print(table_literal(written_out()))

@@ -16,6 +16,9 @@ sums (a weight off by more than the allowance of the whole tensor always shows).
 
 from __future__ import annotations
 
+import pprint
+from typing import Callable
+
 import torch
 
 from ddpcourse.grading.checks import CheckFailed
@@ -71,3 +74,43 @@ def expect_digest(tensor: torch.Tensor, written: tuple[float, ...], what: str, r
                           f"{float(tensor.double().sum()):.6g}, expected {written[0]:.6g} "
                           f"(a signed sum is off by {difference:.3g}; allowed "
                           f"{atol:g} + {rtol:g} * |w| per element){hint}")
+
+
+# --- tables of written-out truths (chapter 09's labs) --------------------------------------------
+
+
+def sum_and_norm(tensor: torch.Tensor) -> list[float]:
+    """The shorter digest chapter 09's tables write for a tensor: its sum and its 2-norm
+    (float64); their judges bound the difference by what the element-wise tolerance allows."""
+    t = tensor.detach().double()
+    return [t.sum().item(), t.norm().item()]
+
+
+def table_lookup(table: dict[str, dict[str, dict]], lab: str,
+                 key: Callable[..., str]) -> Callable[..., dict]:
+    """The visible cases' truth for ``lab``: a function of a case's situation arguments that
+    returns ``table[lab][key(*situation)]``, and refuses (a grader bug, never the student's) a
+    situation the table does not hold."""
+    def truth(*situation) -> dict:
+        name = key(*situation)
+        if name not in table.get(lab, {}):
+            raise RuntimeError(f"no written-out truth for {lab} in {name}: judge it with the "
+                               "grader's hidden checks")
+        return table[lab][name]
+    return truth
+
+
+def table_literal(truths: dict) -> str:
+    """``truths`` as the Python literal a visible module holds (``WRITTEN_OUT: ... = {...}``),
+    one line per list of numbers: what ``python -m autograder.hidden.SLUG`` prints."""
+    def literal(value, indent: int) -> str:
+        if isinstance(value, dict):
+            inner = " " * (indent + 4)
+            items = [f"{inner}{key!r}: {literal(item, indent + 4)}," for key, item in value.items()]
+            return "{\n" + "\n".join(items) + "\n" + " " * indent + "}"
+        if isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
+            inner = " " * (indent + 4)
+            items = [f"{inner}{literal(item, indent + 4)}," for item in value]
+            return "[\n" + "\n".join(items) + "\n" + " " * indent + "]"
+        return pprint.pformat(value, width=10_000)
+    return "WRITTEN_OUT: dict[str, dict[str, dict]] = " + literal(truths, 0)

@@ -37,6 +37,7 @@ from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, Remote
                                       cut_text, every_ranks_calls, judge_each_rank, observed,
                                       reported_tensors,
                                       run_student, safe_text, type_name)
+from ddpcourse.grading.written_out import sum_and_norm, table_lookup
 from ddpcourse.launcher import wait_until_ready
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
@@ -261,10 +262,8 @@ def observe_gather(rank, world_size, fn, situations) -> dict:
 Truth = Callable[[int, Any], dict]
 
 
-def digest(tensor: torch.Tensor) -> list[float]:
-    """How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64)."""
-    t = tensor.detach().double()
-    return [t.sum().item(), t.norm().item()]
+# How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64).
+digest = sum_and_norm
 
 
 def _templates(module_maker) -> dict[str, torch.Tensor]:
@@ -725,13 +724,7 @@ WRITTEN_OUT: dict[str, dict[str, dict]] = {
 
 def written_out(lab: str) -> Truth:
     """The visible cases' truth for ``lab``: their entry of :data:`WRITTEN_OUT`."""
-    def truth(world_size: int, situation) -> dict:
-        key = situation_key(world_size, situation)
-        if key not in WRITTEN_OUT.get(lab, {}):
-            raise RuntimeError(f"no written-out truth for {lab} in {key}: judge it with the "
-                               "grader's hidden checks")
-        return WRITTEN_OUT[lab][key]
-    return truth
+    return table_lookup(WRITTEN_OUT, lab, situation_key)
 
 
 def judge_log(observations, world_size, situations) -> None:

@@ -51,6 +51,7 @@ from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, cut_te
 from ddpcourse.grading.exercises.resumable_checkpoint import (_same_tensors, _start_audit,
                                                               _stop_audit, read_checkpoint,
                                                               shared_directory)
+from ddpcourse.grading.written_out import sum_and_norm, table_lookup
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 AUDITED_CASES_BUILD_DDP = True  # the grader's one-rank hosts preload what DDP imports
@@ -107,10 +108,8 @@ def _rank_seed(seed: int, rank: int) -> int:
     return 7919 * seed + 104_729 * rank + 13
 
 
-def digest(tensor: torch.Tensor) -> list[float]:
-    """How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64)."""
-    t = tensor.detach().double()
-    return [t.sum().item(), t.norm().item()]
+# How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64).
+digest = sum_and_norm
 
 
 def _close_weights(got: Any, expected: dict, what: str, exact: bool) -> None:
@@ -631,13 +630,7 @@ WRITTEN_OUT: dict[str, dict[str, dict]] = {
 
 def written_out(lab: str) -> Truth:
     """The visible cases' truth for ``lab``: their entry of :data:`WRITTEN_OUT`."""
-    def truth(s: dict, world_size: int) -> dict:
-        key = situation_key(s, world_size)
-        if key not in WRITTEN_OUT.get(lab, {}):
-            raise RuntimeError(f"no written-out truth for {lab} in {key}: judge it with the "
-                               "grader's hidden checks")
-        return WRITTEN_OUT[lab][key]
-    return truth
+    return table_lookup(WRITTEN_OUT, lab, situation_key)
 
 
 def judge_unused(observations, world_size, s):

@@ -54,6 +54,7 @@ from torch import nn
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, cut_text,
                                       every_ranks_calls, group_problem, judge_each_rank, observed,
                                       reported_tensors, run_student, safe_text, type_name)
+from ddpcourse.grading.written_out import sum_and_norm, table_lookup
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 FEATURES, HIDDEN, CLASSES = 6, 16, 3
@@ -393,10 +394,8 @@ BATCHNORM_MISTAKES = {
 # --- judging labs 13 and 14 ---------------------------------------------------------------------
 
 
-def digest(tensor: torch.Tensor) -> list[float]:
-    """How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64)."""
-    t = tensor.detach().double()
-    return [t.sum().item(), t.norm().item()]
+# How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64).
+digest = sum_and_norm
 
 
 def _difference(got: torch.Tensor, want: Any) -> tuple[float, bool]:
@@ -765,13 +764,7 @@ WRITTEN_OUT: dict[str, dict[str, dict]] = {
 
 def written_out(lab: str) -> Truth:
     """The visible cases' truth for ``lab``: their entry of :data:`WRITTEN_OUT`."""
-    def truth(s: Situation, world_size: int) -> dict:
-        key = situation_key(s, world_size)
-        if key not in WRITTEN_OUT.get(lab, {}):
-            raise RuntimeError(f"no written-out truth for {lab} in {key}: judge it with the "
-                               "grader's hidden checks")
-        return WRITTEN_OUT[lab][key]
-    return truth
+    return table_lookup(WRITTEN_OUT, lab, situation_key)
 
 
 def judge_temperature(observations, world_size, situations):

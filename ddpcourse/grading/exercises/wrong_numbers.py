@@ -67,6 +67,7 @@ from torch.utils.data import TensorDataset
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, audited_traffic,
                                       cut_text, every_ranks_calls, judge_each_rank, observed,
                                       run_student, safe_text, type_name)
+from ddpcourse.grading.written_out import sum_and_norm, table_lookup
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 AUDITED_CASES_BUILD_DDP = True  # the grader's one-rank hosts preload what DDP imports
@@ -162,10 +163,8 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
-def digest(tensor: torch.Tensor) -> list[float]:
-    """How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64)."""
-    t = tensor.detach().double()
-    return [t.sum().item(), t.norm().item()]
+# How a tensor of a visible case's truth is written out: its sum and its 2-norm (float64).
+digest = sum_and_norm
 
 
 def _judge_replicas(states: list[dict], what: str) -> None:
@@ -775,13 +774,7 @@ WRITTEN_OUT: dict[str, dict[str, dict]] = {
 
 def written_out(lab: str) -> Truth:
     """The visible cases' truth for ``lab``: their entry of :data:`WRITTEN_OUT`."""
-    def truth(s: dict, world_size: int) -> dict:
-        key = situation_key(s, world_size)
-        if key not in WRITTEN_OUT.get(lab, {}):
-            raise RuntimeError(f"no written-out truth for {lab} in {key}: judge it with the "
-                               "grader's hidden checks")
-        return WRITTEN_OUT[lab][key]
-    return truth
+    return table_lookup(WRITTEN_OUT, lab, situation_key)
 
 
 def judge_accuracy(observations, world_size, situations):
