@@ -32,12 +32,16 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from ddpcourse.kernels import FAST_EXIT_ARGUMENT  # noqa: E402 - the path above first
+
 # The student's kernel must import the hidden checks (`from autograder.hidden import SLUG`), which
 # are not an installed package: ipykernel runs this line before the notebook (nbclient passes
 # `extra_arguments` to the kernel's command line). First on the path, so that a folder named
 # `autograder` handed in with a submission (copied next to the notebook) cannot stand in for them.
+# The second line: the kernel exits without collecting torch's objects (ddpcourse/kernels.py).
 c.Execute.extra_arguments = [
-    f"--IPKernelApp.exec_lines=__import__('sys').path.insert(0, {str(REPO)!r})"]
+    f"--IPKernelApp.exec_lines=__import__('sys').path.insert(0, {str(REPO)!r})",
+    FAST_EXIT_ARGUMENT]
 
 # The gradebook's folder (ignored by git): sqlite creates the file, not its folder.
 try:

@@ -21,8 +21,6 @@ import uuid
 from jupyter_client.manager import AsyncKernelManager
 from traitlets import List, Unicode
 
-from ddpcourse.kernels import FAST_EXIT
-
 
 class SandboxedKernelManager(AsyncKernelManager):
     sandbox_prefix = List(Unicode(), help="The sandbox's command line, up to the wrapped "
@@ -37,11 +35,7 @@ class SandboxedKernelManager(AsyncKernelManager):
         super().write_connection_file(**kwargs)
 
     def format_kernel_cmd(self, extra_arguments=None):
-        extra = list(extra_arguments or [])
-        fast_exit = f"--IPKernelApp.exec_lines={[FAST_EXIT]!r}"
-        if fast_exit not in extra:  # nbgrader's executor passes none; ipc_client passes it
-            extra.append(fast_exit)
-        return [*self.sandbox_prefix, *super().format_kernel_cmd(extra)]
+        return [*self.sandbox_prefix, *super().format_kernel_cmd(extra_arguments)]
 
     @property
     def kernel_spec(self):

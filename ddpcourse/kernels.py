@@ -33,6 +33,9 @@ def ipc_kernel_config(socket_dir: str) -> Config:
 # operating system, as a plain ``python -c "import torch"`` exit does; the kernel's outputs are
 # all sent by then.
 FAST_EXIT = "__import__('atexit').register(__import__('gc').freeze)"
+# As a kernel's command-line argument: each such argument appends one line to ``exec_lines``, so
+# it combines with other ``exec_lines`` arguments (nbgrader_config.py passes one).
+FAST_EXIT_ARGUMENT = f"--IPKernelApp.exec_lines={FAST_EXIT}"
 
 
 def ipc_client(nb, socket_dir: str, cwd: Path, timeout: int, kernel_name: str = "python3",
@@ -42,8 +45,7 @@ def ipc_client(nb, socket_dir: str, cwd: Path, timeout: int, kernel_name: str = 
     merged = ipc_kernel_config(socket_dir)
     if config is not None:
         merged.merge(config)
-    extra = list(client_options.pop("extra_arguments", []))
-    extra.append(f"--IPKernelApp.exec_lines={[FAST_EXIT]!r}")
+    extra = [*client_options.pop("extra_arguments", []), FAST_EXIT_ARGUMENT]
     return NotebookClient(nb, config=merged, kernel_name=kernel_name, extra_arguments=extra,
                           timeout=timeout, resources={"metadata": {"path": str(cwd)}},
                           **client_options)
