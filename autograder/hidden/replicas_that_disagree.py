@@ -16,6 +16,7 @@ from __future__ import annotations
 
 
 import torch
+from torch import nn
 import torch.nn.functional as F
 
 from ddpcourse.grading.checks import Case, run_student

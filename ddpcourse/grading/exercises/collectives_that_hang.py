@@ -30,7 +30,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import IterableDataset
 
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, RemoteFunction,
