@@ -58,7 +58,9 @@ def graded_cells_of_every_release() -> nbformat.NotebookNode:
 @pytest.fixture(scope="module")
 def stub_results() -> dict[str, list[CellResult]]:
     """Every release's graded cells, run in one kernel (a kernel and a warm rank server per
-    release cost more than all their cells): each exercise's test cell results."""
+    release cost more than all their cells): each exercise's test cell results. What a shared
+    kernel could hide, a name one release's cells use and only an earlier one defines, the
+    solution's own kernel shows (the test above: the same setup and test cells)."""
     nb = graded_cells_of_every_release()
     died = ""
     try:
