@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autograder.hidden import survive_a_killed_worker as hidden
-from ddpcourse.grading.checks import CheckFailed, run_student
+from ddpcourse.grading.checks import Case, CheckFailed, run_student
 from ddpcourse.grading.exercises import survive_a_killed_worker as checks
 from ddpcourse.grading.written_out import digests
 from trusted_path import altered, submitted
@@ -166,6 +166,28 @@ def test_a_killed_worker_really_restarts_the_group_and_the_resumed_run_is_judged
         hidden.judge_killed_bit_for_bit([report | {"events": from_scratch}], 1, s)
     with pytest.raises(CheckFailed, match="exited with code 1"):
         hidden.judge_killed_bit_for_bit([report | {"returncode": 1}], 1, s)
+
+
+def raises_at_once(ddp_model, optimizer_, batch_at, total_steps, checkpoint_dir,
+                   checkpoint_every, on_step):
+    raise NotImplementedError("not written yet")
+
+
+def test_a_loop_that_raises_before_the_fault_is_judged_on_the_first_attempt():
+    """A stub (or any loop that raises before the fault) gives its error as the verdict after
+    one attempt: its workers end without asking torchrun for a restart, which would only raise
+    again."""
+    s = checks.setting(seed=2, total_steps=6, every=2, fault="kill", fault_rank=1, fault_step=3)
+    observe_only = Case(checks.observe_killed, lambda observations, world_size, s: None)
+    [report] = run_student(observe_only, 1, raises_at_once, s,
+                           timeout=checks.LAUNCH_TIMEOUT_S + 30)
+    assert report["returncode"] == 0 and not report["timed_out"], report["stderr"]
+    events = [(e["attempt"], e["rank"], e["event"]) for e in report["events"]]
+    assert sorted(events) == [(0, 0, "started"), (0, 0, "train raised"),
+                              (0, 1, "started"), (0, 1, "train raised")]
+    with pytest.raises(CheckFailed, match="before the fault, rank [01]'s train raised "
+                                          "NotImplementedError: not written yet"):
+        checks.judge_killed([report], 1, s)
 
 
 @pytest.mark.parametrize("train, message", [

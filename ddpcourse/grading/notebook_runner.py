@@ -5,11 +5,9 @@ use :func:`run_test_cells`. It executes the notebook once, in a fresh kernel sta
 notebook's folder, with the same per-cell timeout and interrupt behaviour as nbgrader, and then
 reads each test cell's outputs.
 
-The repository's check of a student release (tests/test_exercises.py) may leave out the release's
-plain cells (``graded_cells_only``): the "Run it" and "Try yours" demos, which carry no nbgrader
-metadata. They are the source's own cells (tests/test_notebook_sources.py: the release is what
-nbgrader generates from it), executed where the solution's notebook is; in a release they rerun the
-given code's deadlines and call stubs that raise, which none of a test cell's verdicts depends on.
+The repository's check of the student releases (tests/test_exercises.py) reads each release's
+results with :func:`graded_cell_results` from one kernel that runs the graded cells of every
+release in turn.
 """
 
 from __future__ import annotations
@@ -53,15 +51,11 @@ def is_plain_code_cell(cell) -> bool:
 
 
 def run_test_cells(path: Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT_S,
-                   extra_pythonpath: list[str] = (),
-                   graded_cells_only: bool = False) -> list[CellResult]:
-    """Execute the notebook at ``path`` top to bottom and return one result per graded test cell.
-    ``graded_cells_only`` leaves out its plain code cells (module docstring); a student's
-    self-check runs every cell."""
+                   extra_pythonpath: list[str] = ()) -> list[CellResult]:
+    """Execute the notebook at ``path`` top to bottom and return one result per graded test
+    cell."""
     path = Path(path).resolve()
     nb = nbformat.read(path, as_version=4)
-    if graded_cells_only:
-        nb.cells = [cell for cell in nb.cells if not is_plain_code_cell(cell)]
     env_before = os.environ.get("PYTHONPATH")
     if extra_pythonpath:
         os.environ["PYTHONPATH"] = os.pathsep.join([*extra_pythonpath, env_before or ""])
@@ -77,8 +71,14 @@ def run_test_cells(path: Path, cell_timeout: int = DEFAULT_CELL_TIMEOUT_S,
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = env_before
+    return graded_cell_results(nb.cells, died)
+
+
+def graded_cell_results(cells, died: str = "") -> list[CellResult]:
+    """One result per graded test cell of the executed ``cells``; ``died`` says why the cells
+    that did not run did not."""
     results = []
-    for cell in nb.cells:
+    for cell in cells:
         meta = cell.metadata.get("nbgrader", {})
         if cell.cell_type != "code" or not meta.get("grade"):
             continue

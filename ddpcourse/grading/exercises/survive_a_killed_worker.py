@@ -231,6 +231,8 @@ def worker_main(work: str) -> int:
             raise
         except Exception as exc:
             _log(work, event="train raised", error=_raised(exc))
+            if attempt == 0 and not _fault_injected(work, s):
+                return 0  # the verdict is already this error (judge_killed): no restart to wait for
             raise
         log_writes()
         _log(work, event="returned")
@@ -254,6 +256,12 @@ def _kill_while_saving(work: str, s: dict, last_step: int, log_writes: Callable)
     log_writes()
     _log(work, event="kill_in_save", step=s["fault_step"])
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fault_injected(work: str, s: dict) -> bool:
+    """Some rank logged the first attempt's fault (it logs it before it raises or is killed)."""
+    return any(e.get("attempt") == 0 and e.get("event") == s["fault"]
+               for e in _read_events(work) if isinstance(e, dict))
 
 
 def _went_on(work: str, s: dict) -> bool:
