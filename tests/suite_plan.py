@@ -11,24 +11,19 @@ import suite_profile
 
 from ddpcourse.launcher import usable_cores
 
-# A test process with its work running keeps up to about two cores busy (most tests launch two
-# ranks, a kernel whose cells launch two ranks, or torchrun with two workers), but part of the time
-# it waits (deadlines of hanging ranks, a killed worker's restart, daemons starting): on 2 cores,
-# two test processes kept the cores 85 % busy and three 97 %, and three finished the suite 6 %
-# sooner (1464 s -> 1372 s, the same tree, 2 quiet cores). It holds up to ~3 GiB (its two rank
-# servers, a kernel, torch in each rank).
-SMALL_MACHINE_WORKERS = 3
+# A test process with its work running keeps about two cores busy (most tests launch two ranks,
+# a kernel whose cells launch two ranks, or torchrun with two workers) and holds up to ~3 GiB
+# (its two rank servers, a kernel, torch in each rank).
 CORES_PER_WORKER = 2
 GIB_PER_WORKER = 3
 MAX_WORKERS = 8
 
 
 def auto_workers(cores: int, memory_gib: float) -> int:
-    """Test processes for ``-n auto``: three on a small machine (two on a single core), one per
-    two cores on a larger one, at most one per three GiB and at most eight (past that the longest
-    test file alone sets the run's length); never fewer than two."""
-    by_cores = max(min(SMALL_MACHINE_WORKERS, cores + 1), cores // CORES_PER_WORKER)
-    return max(2, min(by_cores, int(memory_gib // GIB_PER_WORKER), MAX_WORKERS))
+    """Test processes for ``-n auto``: two at least (most tests wait on ranks, kernels and
+    launchers, so two overlap well even on 2 cores), then one per two cores and per three GiB,
+    at most eight (past that the longest test file alone sets the run's length)."""
+    return max(2, min(cores // CORES_PER_WORKER, int(memory_gib // GIB_PER_WORKER), MAX_WORKERS))
 
 
 def memory_gib() -> float:
