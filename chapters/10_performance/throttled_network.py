@@ -51,6 +51,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ddpcourse import cost_model as cm  # noqa: E402
+from ddpcourse.launcher import interrupts_deferred  # noqa: E402
 
 RATES = {"unlimited": None, "1gbit": 1e9, "100mbit": 1e8}
 SHORT_RATES = ["unlimited", "100mbit"]
@@ -132,18 +133,20 @@ class Link:
 def run_nodes(link: Link, repeats: int, timeout: float) -> dict:
     """One torchrun per namespace; rank 0's RESULT line, parsed. Kills both on any failure."""
     port = str(20000 + secrets.randbelow(20000))  # nothing else listens in these namespaces
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     procs = []
     try:
         for node, ns in enumerate(link.namespaces):
-            procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
-                 "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node),
-                 "--master_addr", link.addresses[0], "--master_port", port,
-                 str(HERE / "_throttled_worker.py"), "--repeats", str(repeats)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                env={**os.environ, "GLOO_SOCKET_IFNAME": link.devices[node],
-                     "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-                start_new_session=True))
+            # a Ctrl-C (or SIGTERM) while Popen starts a node would leave it running untracked
+            with interrupts_deferred((signal.SIGINT, signal.SIGTERM)):
+                procs.append(subprocess.Popen(
+                    ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
+                     "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node),
+                     "--master_addr", link.addresses[0], "--master_port", port,
+                     str(HERE / "_throttled_worker.py"), "--repeats", str(repeats)],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    env={**os.environ, "GLOO_SOCKET_IFNAME": link.devices[node], "PYTHONPATH": path},
+                    start_new_session=True))
         outputs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:

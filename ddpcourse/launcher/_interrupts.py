@@ -32,8 +32,10 @@ _phase_hook: Callable[[str], None] | None = None
 
 
 @contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Run the block with SIGINT held back; a SIGINT that came meanwhile is raised at its end.
+def interrupts_deferred(signals: tuple[int, ...] = (signal.SIGINT,)) -> Iterator[None]:
+    """Run the block with ``signals`` (SIGINT by default) held back; one that came meanwhile is
+    delivered to the caller's own handler at its end (a program that turns SIGTERM into an
+    exception as well passes both).
 
     Only the main thread runs Python's signal handlers, and only it may replace one: elsewhere
     (and under a handler installed from C, which Python cannot put back) the block runs as is.
@@ -41,18 +43,20 @@ def interrupts_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    callers_handler = signal.getsignal(signal.SIGINT)
-    if callers_handler is None:
+    callers_handlers = {signum: signal.getsignal(signum) for signum in signals}
+    if any(handler is None for handler in callers_handlers.values()):
         yield
         return
     held: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    for signum in signals:
+        signal.signal(signum, lambda received, _frame: held.append(received))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, callers_handler)
-        if held:
-            signal.raise_signal(signal.SIGINT)  # the caller's handler: KeyboardInterrupt by default
+        for signum, handler in callers_handlers.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)  # the caller's handler: KeyboardInterrupt by default
 
 
 def set_phase_hook(hook: Callable[[str], None] | None) -> Callable[[str], None] | None:
