@@ -46,13 +46,12 @@ def graded_cells_of_every_release() -> nbformat.NotebookNode:
     for exercise in EXERCISES:
         release = nbformat.read(exercise.release, as_version=4)
         chdir = nbformat.v4.new_code_cell(f"import os\nos.chdir({str(exercise.release.parent)!r})")
-        for number, cell in enumerate([chdir, *release.cells]):
-            if cell.cell_type != "code" or is_plain_code_cell(cell) and cell is not chdir:
-                continue
+        graded = [c for c in release.cells if c.cell_type == "code" and not is_plain_code_cell(c)]
+        for number, cell in enumerate([chdir, *graded]):
             cell.id = f"{exercise.slug}-{number}"
             cell.metadata["exercise"] = exercise.slug
             cells.append(cell)
-    return nbformat.v4.new_notebook(cells=cells, metadata=release.metadata)
+    return nbformat.v4.new_notebook(cells=cells, metadata=release.metadata)  # one kernel for all
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +109,6 @@ def test_student_self_check_reports_each_visible_test_cell(tmp_path):
     pytest-xdist's worker processes although ``-n auto`` asks for them (exercises/conftest.py;
     benchmarks/results/self_check.json). That the untouched release fails every visible cell:
     test_the_released_stubs_fail_every_visible_test."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from fake_class import AVERAGE, build
 
     folder = tmp_path / "exercises" / "05_allreduce"

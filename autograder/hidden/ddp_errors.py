@@ -15,7 +15,6 @@ writes them out (``WRITTEN_OUT``).
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

@@ -14,10 +14,9 @@ visible module writes them out (``WRITTEN_OUT``)."""
 
 from __future__ import annotations
 
-
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from ddpcourse.grading.checks import Case, run_student
 from ddpcourse.grading.exercises import replicas_that_disagree as visible
