@@ -53,13 +53,12 @@ from autograder import gradesheet
 from autograder.merge import (DEFAULT_EXPORT_COLUMNS, FIXED_COLUMNS, GRADEBOOK, MergeError,
                               Shard, check_updatable, load, record_into_copy, update_output)
 from autograder.nbgrader_api import REPO, hold_for_review
-from autograder.notices import (add_summary, assignment_summary, make_readable,
+from autograder.notices import (GRADER_NOTE, add_summary, assignment_summary, make_readable,
                                write_missing_notice, write_notice)
 from autograder.overrides import FILE as OVERRIDES
 from autograder.overrides import (CLEARED_FLAGS, OverrideError, apply_overrides,
                                   read_cleared_flags, read_overrides)
 from autograder.roster import with_roster_columns
-from autograder.trusted import GRADER_NOTE
 from ddpcourse.launcher.processes import kill_process_group, live_descendants, process_table
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -348,11 +347,10 @@ EMPTY_GRADEBOOK = "empty-gradebook.db"
 def empty_gradebook(path: Path) -> Path:
     """A new, empty nbgrader gradebook at ``path``, made by nbgrader itself.
 
-    nbgrader stamps every new gradebook with its schema's revision, which it asks a separate
-    ``alembic heads`` process for: 2-3 s of CPU (10-20 s on a busy 2-core machine) each time.
     A run makes one, and each worker's gradebook and a new course gradebook start as copies of
-    it (:func:`autograder.worker._prepare`, :func:`autograder.merge.record_into_copy`), so the
-    run pays that once instead of once per student."""
+    it (:func:`autograder.worker._prepare`, :func:`autograder.merge.record_into_copy`): made
+    once, stamped once with nbgrader's schema revision
+    (:func:`autograder.nbgrader_api.gradebook_schema_revision`)."""
     from nbgrader.api import Gradebook
 
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,10 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+# How the grader's own verdict starts a graded cell's output (autograder/trusted.py writes it;
+# the grading command reads it to tell a cell that timed out from one the grader annotated).
+GRADER_NOTE = "[grader] "
+
 
 def write_notice(dest: Path, student: str, assignment: str, title: str, body: str) -> None:
     """A feedback page for a submission that nbgrader gave none: dropped, flagged, timed out."""

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import nbformat
 
+from autograder.notices import GRADER_NOTE
 from ddpcourse.grading.checks import CheckFailed, RemoteFunction, UnpickledTogether
 from ddpcourse.grading.exercises import CHECKS_PACKAGE, hidden_checks
 from ddpcourse.grading.frames import (FrameError, read_frame, tensors_from_bytes,
@@ -319,7 +320,6 @@ def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
 # --- what the worker does with them --------------------------------------------------------
 
 STAND_IN = 'print("graded outside this notebook: the grader\'s verdict is above")'
-GRADER_NOTE = "[grader] "
 
 
 def graded_here(slug: str) -> bool:

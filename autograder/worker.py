@@ -25,12 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# jsonschema imports rfc3987_syntax, where it is installed, only to check the "iri" string formats,
-# which nothing this worker validates uses (nbformat's schema has none); building that package's
-# grammar at import costs ~1 s of CPU, in every worker. An absent module is skipped by jsonschema.
-sys.modules.setdefault("rfc3987_syntax", None)
-
-import nbformat  # noqa: E402 - after the line above
+import nbformat
 from traitlets.config import Config
 
 from autograder import capped_execute, late_penalty, sandbox, trusted

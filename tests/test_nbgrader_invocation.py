@@ -265,3 +265,21 @@ def test_every_hidden_test_cell_of_the_course_is_one_the_check_sees():
             modules = hidden_modules(block)
             assert modules, f"{source.name}: a hidden block imports no hidden checks:\n{block}"
             assert all(importlib.util.find_spec(module) for module in modules), modules
+
+
+def test_a_gradebook_made_by_the_grader_has_the_revision_nbgraders_alembic_heads_gives(tmp_path):
+    """The grader reads the schema revision in-process (``gradebook_schema_revision``); nbgrader
+    alone, in a process that never imported the grader, asks ``alembic heads``: the same answer,
+    and it is what a new gradebook is stamped with."""
+    import sqlite3
+
+    from autograder.grade import empty_gradebook
+
+    asked = subprocess.run(
+        [sys.executable, "-c", "import nbgrader.api; print(nbgrader.api.get_alembic_version())"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert asked.returncode == 0, asked.stderr
+    path = empty_gradebook(tmp_path / "gradebook.db")
+    with sqlite3.connect(path) as db:
+        [(stamped,)] = db.execute("SELECT version_num FROM alembic_version").fetchall()
+    assert stamped == asked.stdout.strip()
