@@ -53,11 +53,14 @@ def pytest_sessionstart(session):
     prestart()  # the rank servers import torch while pytest collects
 
 
-def leftover_processes(grace_s: float = 3.0) -> set[int]:
-    """Descendants of this test process other than the rank servers, after a short grace."""
+def leftover_processes(grace_s: float = 3.0, earlier: frozenset[int] = frozenset()) -> set[int]:
+    """Descendants of this test process other than the rank servers and ``earlier``, after a
+    short grace for those still exiting. (A child that outlives every test, such as the resource
+    tracker that multiprocessing starts once per process, is among ``earlier``: it must not make
+    each later test wait out the grace.)"""
     give_up = time.monotonic() + grace_s
     while True:
-        left = live_descendants() - rank_server_pids()
+        left = live_descendants() - rank_server_pids() - earlier
         if not left or time.monotonic() > give_up:
             return left
         time.sleep(0.05)
@@ -66,9 +69,9 @@ def leftover_processes(grace_s: float = 3.0) -> set[int]:
 @pytest.fixture
 def no_orphans():
     """Fail the test if it leaves any process running behind it."""
-    before = live_descendants() - rank_server_pids()
+    before = frozenset(live_descendants() - rank_server_pids())
     yield
-    left = leftover_processes() - before
+    left = leftover_processes(earlier=before)
     assert not left, f"processes left running after the test: {sorted(left)}"
 
 
