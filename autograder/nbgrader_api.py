@@ -23,8 +23,9 @@ from traitlets.config.loader import PyFileConfigLoader
 AUTOGRADER_DIR = Path(__file__).resolve().parent
 REPO = AUTOGRADER_DIR.parent
 
-# nbgrader runs the `alembic` and `jupyter` executables of its environment: make sure they are
-# found also when this Python was started by path, without activating its virtual environment.
+# nbgrader runs the `jupyter` executable of its environment (and, left to itself, `alembic`: see
+# gradebook_schema_revision): make sure they are found also when this Python was started by path,
+# without activating its virtual environment.
 _bin = str(Path(sys.executable).parent)
 if _bin not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = os.pathsep.join([_bin, os.environ.get("PATH", "")])

@@ -16,8 +16,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-# How the grader's own verdict starts a graded cell's output (autograder/trusted.py writes it;
-# the grading command reads it to tell a cell that timed out from one the grader annotated).
+# How the grader's own verdict starts a graded cell's output (autograder/trusted.py writes it; the
+# grading command reads it back to find the cells whose verdict says a rank did not finish in time).
 GRADER_NOTE = "[grader] "
 
 
