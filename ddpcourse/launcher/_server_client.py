@@ -35,6 +35,12 @@ class RankServer:
             stdout=subprocess.PIPE,
             env=env,
             close_fds=True,
+            # Out of the starting process's process group: a Jupyter kernel signals every child
+            # in its group when it shuts down and keeps signalling until none is left, which a
+            # child it has not reaped yet never is (jupyter_client then SIGTERMs the kernel after
+            # 2.5 s). The server still ends with its parent: stdin's EOF, and on Linux its
+            # parent-death signal.
+            start_new_session=True,
         )
         self.owner_pid = os.getpid()
         self.ready = False
