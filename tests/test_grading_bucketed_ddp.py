@@ -131,6 +131,46 @@ ONLY_RANK_1_BROADCASTS = ("dist.broadcast(tensor, src=0)",
                           "dist.broadcast(tensor, src=min(1, dist.get_world_size() - 1))")
 
 
+# Each bucket's all-reduce is handed a tensor of zeros of the bucket's size, and the gradients are
+# summed point to point instead: the right mean, the right all-reduces by number and size, started
+# during backward. Only what the all-reduces carried tells it apart.
+ZEROS_ALL_REDUCED = ("            self._in_flight[index] = (dist.all_reduce(flat, async_op=True), "
+                     "flat, ready)\n",
+                     "            work = dist.all_reduce(torch.zeros_like(flat), async_op=True)\n"
+                     "            total = flat.clone()\n"
+                     "            for other in range(dist.get_world_size()):\n"
+                     "                if other != dist.get_rank():\n"
+                     "                    got = torch.empty_like(flat)\n"
+                     "                    for request in (dist.isend(flat, other), "
+                     "dist.irecv(got, other)):\n"
+                     "                        request.wait()\n"
+                     "                    total += got\n"
+                     "            flat.copy_(total)\n"
+                     "            self._in_flight[index] = (work, flat, ready)\n")
+
+
+def test_an_all_reduce_of_zeros_beside_the_real_exchange_is_caught():
+    """It passes the values and the overlap; the test of the buckets names what was reduced."""
+    _, BucketedDDP = build(ZEROS_ALL_REDUCED)
+    checks.check_bucketed_ddp_matches_one_process(BucketedDDP)
+    checks.check_bucketed_ddp_overlaps_backward(BucketedDDP)
+    with pytest.raises(CheckFailed, match="did not carry this rank's gradients") as failed:
+        checks.check_bucketed_ddp_one_allreduce_per_bucket(BucketedDDP)
+    assert {0, 1} <= set(ranks_named(str(failed.value)))
+    with pytest.raises(CheckFailed, match="did not carry this rank's gradients"):
+        hidden.check_bucketed_ddp(BucketedDDP)
+
+
+def test_dividing_before_the_all_reduce_is_accepted():
+    """Handing over the gradients divided by the world size is a synchronisation too."""
+    _, BucketedDDP = build(
+        ("            flat = torch.cat([p.grad.reshape(-1) for p in ready])\n",
+         "            flat = torch.cat([p.grad.reshape(-1) for p in ready]) / dist.get_world_size()\n"),
+        SUM_NOT_MEAN)
+    checks.check_bucketed_ddp_matches_one_process(BucketedDDP)
+    checks.check_bucketed_ddp_one_allreduce_per_bucket(BucketedDDP)
+
+
 def test_one_mistake_fails_one_test():
     """A wrong broadcast_parameters and a missing division: the BucketedDDP tests put rank 0's
     state in place of broadcast_parameters, and only the test of the values sees the sum (and
@@ -201,6 +241,8 @@ def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(
     ("frozen parameters hooked too", [("[p for p in module.parameters() if p.requires_grad]",
                                        "list(module.parameters())")],
      hidden.check_bucketed_ddp, "raised RuntimeError"),
+    ("zeros all-reduced, the gradients summed point to point", [ZEROS_ALL_REDUCED],
+     checks.check_bucketed_ddp_one_allreduce_per_bucket, "did not carry this rank's gradients"),
 ])
 def test_the_trusted_grader_catches(host, mistake, replacements, check, message):
     broadcast_parameters, BucketedDDP = build(*replacements)
@@ -228,11 +270,18 @@ def honest_training_report(world_size, bucket_cap_mb, steps, planner=checks.writ
     same on every rank, so their mean is one process's gradient too)."""
     state, grads, weights = hidden.one_process(world_size, "plain", torch.float32, 0, steps)
     rank0 = checks.reference_net("plain", torch.float32, 0)
-    plan = checks.BucketPlan(rank0, planner(rank0, bucket_cap_mb))
+    buckets = planner(rank0, bucket_cap_mb)
+    plan = checks.BucketPlan(rank0, buckets)
+
+    def squares(step_grads):  # what each bucket's all-reduce is handed: its gradients, whole
+        return [sum(step_grads[name].double().pow(2).sum().item() for name in bucket)
+                for bucket in buckets]
+
     return {"is_module": True, "construction_collectives": ["broadcast_"],
             "broadcast_parameters_called": True,
             "state": state, "weights": weights,
             "steps": [{"returned": "None", "allreduce_bytes": list(plan.bucket_bytes),
+                       "allreduce_squares": squares(step_grads),
                        "other_collectives": [], "launched_at_input": [plan.early],
                        "launched_in_backward": len(plan.with_grad), "grads": step_grads,
                        "own_grads": {name: None if g is None else g.clone()
@@ -259,6 +308,9 @@ TRAINING_DAMAGE = [
     (("steps", 1, "grads", "out.bias"), torch.zeros(3).to_sparse()),
     (("weights",), [1]), (("weights", "out.bias"), None),
     (("steps", 0, "own_grads"), None), (("steps", 1, "own_grads", "out.bias"), "x"),
+    (("steps", 0, "allreduce_squares"), None), (("steps", 0, "allreduce_squares"), [1.0]),
+    (("steps", 1, "allreduce_squares"), ["x"] * 5), (("steps", 1, "allreduce_squares", 0), 0.0),
+    (("steps", 0, "allreduce_squares", 2), float("nan")),
 ]
 
 

@@ -34,6 +34,9 @@ class CommRecord:
     bytes_received: int = 0
     # (op, bytes of its tensor arguments) for every collective, in call order
     collective_calls: list[tuple[str, int]] = field(default_factory=list)
+    # With CommAudit(squares=True): for each "allreduce_" call, in call order, the sum of squares
+    # of what the rank handed over (its tensors before the reduction), in float64
+    all_reduce_squares: list[float] = field(default_factory=list)
 
     @property
     def collectives(self) -> list[str]:
@@ -44,12 +47,23 @@ class CommRecord:
         return [nbytes for name, nbytes in self.collective_calls if name == op]
 
 
-class CommAudit(TorchDispatchMode):
-    """``with CommAudit() as audit: ...`` then read ``audit.record``."""
+def _sum_of_squares(value) -> float:
+    if isinstance(value, torch.Tensor):
+        return value.detach().double().pow(2).sum().item()
+    if isinstance(value, (list, tuple)):
+        return sum(_sum_of_squares(v) for v in value)
+    return 0.0
 
-    def __init__(self):
+
+class CommAudit(TorchDispatchMode):
+    """``with CommAudit() as audit: ...`` then read ``audit.record``. ``squares=True`` also
+    records what each all-reduce was handed (its sum of squares), so that a judge can tell a
+    gradient synchronisation from an all-reduce of the same size that carries something else."""
+
+    def __init__(self, squares: bool = False):
         super().__init__()
         self.record = CommRecord()
+        self.squares = squares
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace, op = str(func).split(".")[:2]  # e.g. "c10d.allreduce_.default"
@@ -58,6 +72,8 @@ class CommAudit(TorchDispatchMode):
                 self.record.ops.append(op)
                 if op not in POINT_TO_POINT:
                     self.record.collective_calls.append((op, _tensor_bytes(args[0])))
+                if op == "allreduce_" and self.squares:
+                    self.record.all_reduce_squares.append(_sum_of_squares(args[0]))
             if op == "send":
                 self.record.bytes_sent += _tensor_bytes(args[0])
             elif op in ("recv_", "recv_any_source_"):

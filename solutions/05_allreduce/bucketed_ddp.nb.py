@@ -143,9 +143,11 @@ class BucketedDDP(torch.nn.Module):
 
     What the tests check: they train the wrapper for a few SGD steps and compare with one process
     training rank 0's model on all ranks' data at once (tolerance `rtol=1e-5, atol=1e-6` in
-    float32). They record your all-reduce calls (their number and sizes must match the buckets) and
-    how many had started when backward reached the model's input: by then every bucket that holds no
-    first-layer parameter is complete, so its all-reduce must already be on its way. The tests use
+    float32). They record your all-reduce calls: their number and sizes must match the buckets,
+    each must be handed its bucket's gradients (whole, or already divided by the world size: the
+    tests compare sums of squares), and they count how many had started when backward reached the
+    model's input: by then every bucket that holds no first-layer parameter is complete, so its
+    all-reduce must already be on its way. The tests use
     models with frozen parameters, unused layers and a weight shared by two layers.
     """
 
@@ -259,7 +261,8 @@ print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-bucketed-ddp-one-allreduce-per-bucket", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Test (2 points): caps of 1e-6 MiB, exactly 1292 bytes (the first bucket fills it) and 25 MiB:
-# one all-reduce per bucket, of the bucket's size (the gradients' values are the test above's).
+# one all-reduce per bucket, of the bucket's size, handed the bucket's gradients (the averaged
+# gradients' values are the test above's).
 from ddpcourse.grading import integrity
 from ddpcourse.grading.exercises import bucketed_ddp as checks
 integrity.assert_untampered()

@@ -24,6 +24,7 @@ planner (:func:`judge_training` takes the planner).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -317,7 +318,7 @@ def observe_bucketed_training(rank, world_size, BucketedDDP, bucket_cap_mb, vari
         optimizer.zero_grad(set_to_none=True)
         own = own_gradients(shadow, model, x_all[share], y_all[share])
         x = x_all[share].clone().requires_grad_(True)
-        with CommAudit() as audit:
+        with CommAudit(squares=True) as audit:
             launched_at_input = []
             x.register_hook(lambda grad: launched_at_input.append(
                 len(audit.record.calls_of("allreduce_"))))
@@ -327,6 +328,7 @@ def observe_bucketed_training(rank, world_size, BucketedDDP, bucket_cap_mb, vari
         observation["steps"].append({
             "returned": type_name(result),
             "allreduce_bytes": audit.record.calls_of("allreduce_"),
+            "allreduce_squares": list(audit.record.all_reduce_squares),
             "other_collectives": sorted(set(audit.record.collectives) - {"allreduce_"}),
             "launched_at_input": launched_at_input[:1],
             "launched_in_backward": launched_in_backward,
@@ -520,14 +522,15 @@ def expect_step(plan: BucketPlan, record: Any, expected_grads: dict, judged: str
     if observed(record, "returned", str) != "None":
         raise CheckFailed(f"{where}: finish_gradient_synchronization() must return None")
     if judged in ("buckets", "values and buckets", "all"):
-        expect_one_allreduce_per_bucket(plan, record, where)
+        expect_one_allreduce_per_bucket(plan, record, where, world_size)
     if judged in ("overlap", "all"):
         expect_overlap(plan, record, where)
     if judged in ("values", "values and buckets", "all"):
         expect_mean_gradients(record, expected_grads, world_size, where, tolerance)
 
 
-def expect_one_allreduce_per_bucket(plan: BucketPlan, record: Any, where: str) -> None:
+def expect_one_allreduce_per_bucket(plan: BucketPlan, record: Any, where: str,
+                                    world_size: int) -> None:
     calls = reported_ints(observed(record, "allreduce_bytes", list), "all-reduce sizes")
     others = sorted(map(_text, observed(record, "other_collectives", list)))
     if others:
@@ -539,6 +542,40 @@ def expect_one_allreduce_per_bucket(plan: BucketPlan, record: Any, where: str) -
     if plan.exact_sizes and sorted(calls) != plan.bucket_bytes:
         raise CheckFailed(f"{where}: all-reduced tensors of {sorted(calls)} bytes; the buckets "
                           f"hold {plan.bucket_bytes} bytes")
+    expect_buckets_carry_own_gradients(plan, record, world_size, where)
+
+
+def expect_buckets_carry_own_gradients(plan: BucketPlan, record: Any, world_size: int,
+                                       where: str) -> None:
+    """Each bucket's all-reduce handed over this rank's own gradients of that bucket (their sum
+    of squares, whole or divided by the world size first), not another tensor of the same size:
+    an all-reduce of zeros next to gradients exchanged some other way synchronises nothing."""
+    squares = observed(record, "allreduce_squares", list)
+    if len(squares) != len(plan.with_grad) or not all(
+            type(sq) is float and math.isfinite(sq) for sq in squares):
+        raise CheckFailed(f"{where}: the rank's record of its all-reduces is malformed")
+    own = observed(record, "own_grads", dict)
+    expected = []
+    for bucket in plan.with_grad:
+        total = 0.0
+        for name in bucket:
+            grad = own.get(name)
+            if grad is not None:
+                total += reported_tensor(grad, f"{where}: own gradient of {name}").double(
+                    ).pow(2).sum().item()
+        expected.append(total)
+    got, expected = sorted(squares), sorted(expected)
+    if any(all(math.isclose(g, e / factor, rel_tol=1e-3, abs_tol=1e-12)
+               for g, e in zip(got, expected))
+           for factor in (1, world_size ** 2)):
+        return
+    raise CheckFailed(
+        f"{where}: the all-reduces did not carry this rank's gradients: they were handed tensors "
+        f"whose sums of squares are [{', '.join(f'{g:.6g}' for g in got)}], and this rank's own "
+        f"gradients of the buckets have [{', '.join(f'{e:.6g}' for e in expected)}] (or that "
+        "divided by the world size squared, if you divide before the all-reduce). "
+        "All-reduce each bucket's flattened gradients themselves: a tensor of the same size "
+        "(of zeros, say) synchronises nothing")
 
 
 def expect_overlap(plan: BucketPlan, record: Any, where: str) -> None:
