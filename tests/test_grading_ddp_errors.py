@@ -2,14 +2,20 @@
 visible and hidden, through the trusted grader (the ranks' traffic counted by its broker); each
 broken function of the notebook's locked `given-*` cells still fails the way the lab's text says
 on this torch (so a PyTorch that changes the failure turns CI red); and the tempting wrong fixes
-fail the check they should. The exercise: solutions/09_debugging/ddp_errors.nb.py."""
+fail the check they should. Each lab's diagnosis passes its hidden check as the solution
+answers it, and fails it, naming the field, when a field is wrong; the hidden module's expected
+diagnoses are derived again from runs of the given code; the visible module holds none of them.
+The exercise: solutions/09_debugging/ddp_errors.nb.py."""
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import tempfile
+import traceback
+from unittest import mock
 
 import cloudpickle
 import pytest
@@ -53,6 +59,10 @@ GIVEN_SAVE, GIVEN_RESUME = from_the_notebook("given-checkpoint", "given_save_che
 (SOLUTION_SAVE,) = from_the_notebook("save_checkpoint", "save_checkpoint")
 (SOLUTION_RESUME,) = from_the_notebook("resume", "resume")
 (SOLUTION_TOWER,) = from_the_notebook("train_tower", "train_tower")
+# Each lab's diagnosis as the solution notebook answers it, by lab.
+SOLUTION_DIAGNOSES = {lab: from_the_notebook(f"diagnose-{lab.replace('_', '-')}",
+                                             f"diagnose_{lab}")[0]
+                      for lab in ("unused_head", "checkpoint", "reentrant")}
 
 
 # --- lab 1: fixes, right and wrong -----------------------------------------------------------
@@ -335,6 +345,166 @@ def test_lab_11_a_frozen_pooler_without_the_flag_fails_only_with_a_shared_block(
                 hidden.TOWER_SITUATIONS[0][1])
 
 
+# --- the diagnoses: graded by the hidden checks only ------------------------------------------
+
+# A value of the right type but wrong, for each field of every diagnosis.
+WRONG_VALUES = {"iteration": 3, "unused_parameters": ["aux.weight"], "gradient_all_reduces": 1,
+                "replicas_agree": True, "key_prefix": "model.", "ranks_that_wrote": 1,
+                "resumed_adam_step": 4, "backward": 2, "parameter": "block.0.weight",
+                "block_forwards": 1}
+
+
+def test_the_diagnoses_are_the_solutions_and_each_check_explains_after_a_pass(capsys):
+    """The solution's diagnose_*() pass their hidden checks (each called in a rank of its own),
+    and a passing check prints the lab's explanation: the graded feedback teaches either way."""
+    assert set(SOLUTION_DIAGNOSES) == set(hidden.DIAGNOSES) == set(hidden.EXPLANATIONS)
+    for lab, diagnose in SOLUTION_DIAGNOSES.items():
+        getattr(hidden, f"check_{lab}_diagnosis")(diagnose)
+        assert hidden.EXPLANATIONS[lab].strip() in capsys.readouterr().out, lab
+
+
+@pytest.mark.parametrize("lab, field", [(lab, field) for lab, fields in hidden.DIAGNOSES.items()
+                                        for field in fields])
+def test_a_wrong_or_missing_field_fails_naming_it_and_still_explains(lab, field):
+    judge = hidden.DIAGNOSIS_CASES[lab].judge
+    right = SOLUTION_DIAGNOSES[lab]()
+    judge([checks.observe_diagnosis(0, 1, lambda: right)], 1)
+    wrong = {**right, field: WRONG_VALUES[field]}
+    missing = {key: value for key, value in right.items() if key != field}
+    for answer, named in ((wrong, f"'{field}' = "), (missing, f"'{field}' is missing")):
+        with pytest.raises(CheckFailed) as failed:
+            judge([checks.observe_diagnosis(0, 1, lambda answer=answer: answer)], 1)
+        text = str(failed.value)
+        verdict = text.split("\n\n")[0]
+        assert named in verdict and verdict.count("\n* ") == 1, text
+        assert hidden.EXPLANATIONS[lab].strip() in text  # the feedback explains a wrong answer too
+        expected = hidden.DIAGNOSES[lab][field]
+        if isinstance(expected, (str, list)):
+            assert repr(expected) not in verdict and str(expected) not in verdict  # no value given
+
+
+def test_a_wrong_diagnosis_fails_in_its_rank_too():
+    """End to end, as graded: every wrong field named, a wrong type said, no crash."""
+    def diagnose_reentrant():
+        return {"backward": True, "parameter": "block.0.weight"}
+
+    with pytest.raises(CheckFailed) as failed:
+        hidden.check_reentrant_diagnosis(diagnose_reentrant)
+    text = str(failed.value)
+    assert "'backward' should be an int, not True" in text
+    assert "'parameter' = 'block.0.weight'" in text and "'block_forwards' is missing" in text
+
+
+def test_the_answers_forms_the_docstrings_allow_are_accepted():
+    judge = hidden.judge_diagnosis
+    assert judge("unused_head", {"iteration": 2, "unused_parameters": [" aux.bias",
+                 "module.aux.weight"], "gradient_all_reduces": 0, "replicas_agree": False}) == []
+    assert judge("checkpoint", {"key_prefix": "module", "ranks_that_wrote": 2,
+                                "resumed_adam_step": 1}) == []
+    assert judge("reentrant", {"backward": 1, "parameter": "module.block.0.bias",
+                               "block_forwards": 2}) == []
+    assert judge("reentrant", {"backward": 1.0, "parameter": "block.0.bias",
+                               "block_forwards": 2}) != []
+
+
+def _given_diagnoses(rank, world_size, folder):
+    """Every diagnosis field, as the labs' given code shows it in the Run-it settings: each read
+    from what the run did (the error's text, the collectives called, torch.save's calls, the
+    state the runs leave), not from the expected values."""
+    facts = {}
+    # lab 1: the given loop, 4 steps, no aux labels
+    s = checks.unused_setting(seed=1, steps=4)
+    model = checks.make_two_heads(seed=rank)
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    error = None
+    with audited_traffic() as traffic:
+        try:
+            GIVEN_AUX(model, checks.aux_batches(s, rank), s["lr"])
+        except RuntimeError as exc:
+            error = str(exc)
+    assert error is not None and FINISHED_REDUCTION in error
+    named = error.split(f"did not receive grad for rank {rank}:")[1].splitlines()[0].split()
+    names = [name for name, _ in model.named_parameters()]
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = [torch.empty_like(weights) for _ in range(world_size)]
+    dist.all_gather(everyone, weights)
+    facts["unused_head"] = {
+        "iteration": len(forwards) + 1,
+        "unused_parameters": [names[int(index)] for index in named],
+        "gradient_all_reduces": sum(name == "all_reduce"
+                                    for name, _ in traffic["collective_calls"]),
+        "replicas_agree": all(torch.equal(everyone[0], other) for other in everyone[1:])}
+    # lab 10: the given save, then the resume through the wrapper with a fresh Adam
+    path = os.path.join(folder, "checkpoint.pt")
+    ddp_model = DDP(checks.make_net(0))
+    optimizer = checks.make_optimizer("adam", ddp_model)
+    checks.grader_steps(ddp_model, optimizer, 0, range(3), rank)
+    saves, torch_save = [], torch.save
+
+    def counted_save(obj, f, *args, **kwargs):
+        saves.append(f)
+        return torch_save(obj, f, *args, **kwargs)
+
+    with mock.patch.object(torch, "save", counted_save):
+        GIVEN_SAVE(ddp_model, optimizer, path)
+    wrote = torch.tensor([saves.count(path)])
+    dist.all_reduce(wrote)
+    saved = list(torch.load(path))
+    plain = list(checks.make_net(1).state_dict())
+    prefixes = {key[:-len(name)] for key, name in zip(saved, plain) if key.endswith(name)}
+    resumed = DDP(checks.make_net(1))
+    resumed.load_state_dict(torch.load(path))
+    fresh_adam = checks.make_optimizer("adam", resumed)
+    checks.grader_steps(resumed, fresh_adam, 0, range(3, 4), rank)
+    steps = {int(state["step"]) for state in fresh_adam.state.values()}
+    facts["checkpoint"] = {"key_prefix": prefixes.pop() if len(prefixes) == 1 else prefixes,
+                           "ranks_that_wrote": int(wrote), "resumed_adam_step": steps.pop()}
+    # lab 11: the given loop, the block applied once per forward
+    s = checks.tower_setting(seed=3, repeats=1)
+    tower = checks.make_tower(rank, 1)
+    forwards = []
+    tower.register_forward_pre_hook(lambda *_: forwards.append(1))
+    error, frames = None, []
+    try:
+        GIVEN_TOWER(tower, checks.tower_batches(s, rank), s["lr"])
+    except RuntimeError as exc:
+        error, frames = str(exc), traceback.extract_tb(exc.__traceback__)
+    assert error is not None and READY_TWICE in error
+    # raised in Tensor.backward: the backward of the last forward counted
+    assert any(frame.name == "backward" and frame.filename.endswith(os.path.join("torch",
+               "_tensor.py")) for frame in frames), [frame.name for frame in frames]
+    index, name = re.search(r"Parameter at index (\d+) with name (\S+) has been marked", error)\
+        .groups()
+    assert [name for name, _ in tower.named_parameters()][int(index)] == name
+    facts["reentrant"] = {"backward": len(forwards), "parameter": name,
+                          "block_forwards": tower.block[1].forwards}
+    return facts
+
+
+def test_the_hidden_diagnoses_are_what_the_given_code_does():
+    """On the installed torch, in 2 real ranks: a torch that fails otherwise turns this red, and
+    the hidden module's expected values are then to be derived again, never a student's grade."""
+    with tempfile.TemporaryDirectory() as folder:
+        for facts in run_ranks(_given_diagnoses, 2, folder, timeout=90):
+            for lab, expected in hidden.DIAGNOSES.items():
+                assert facts[lab] == expected, lab
+
+
+def test_the_visible_module_holds_no_diagnosis_and_explains_nothing(capsys):
+    """The diagnoses and the explanations that give them away live in the hidden module only,
+    and a visible check prints nothing after a pass."""
+    for name in ("EXPLANATIONS", "explain", "explanation", "DIAGNOSES", "HINTS",
+                 "judge_diagnosis", "DIAGNOSIS_CASES"):
+        assert not hasattr(checks, name), name
+    assert [name for name in vars(checks) if "diagnos" in name.lower()] == \
+        ["DIAGNOSIS_TIMEOUT_S", "observe_diagnosis"]
+    checks.check_aux_head_never_used(SOLUTION_AUX)
+    checks.check_resume(SOLUTION_SAVE, SOLUTION_RESUME)
+    checks.check_checkpointed_tower(SOLUTION_TOWER)
+    assert capsys.readouterr().out == ""
+
+
 # --- the truths: computed on the grader's side only ---------------------------------------------
 
 
@@ -372,6 +542,14 @@ def test_the_solution_passes_the_hidden_checks_through_the_trusted_grader(host, 
     executed); the hidden ones use every case, here judged outside the ranks."""
     hidden.check_ddp_errors(*(submitted(fn, host, relayed) for fn in (
         SOLUTION_AUX, SOLUTION_SAVE, SOLUTION_RESUME, SOLUTION_TOWER)))
+
+
+def test_the_diagnoses_are_graded_through_the_trusted_grader(host, relayed):
+    for lab, diagnose in SOLUTION_DIAGNOSES.items():
+        getattr(hidden, f"check_{lab}_diagnosis")(submitted(diagnose, host, relayed))
+    with pytest.raises(CheckFailed, match="'iteration' = 3 is not what the given code does"):
+        hidden.check_unused_head_diagnosis(submitted(
+            lambda: {**SOLUTION_DIAGNOSES["unused_head"](), "iteration": 3}, host, relayed))
 
 
 def test_the_broker_sees_find_unused_parameters_too(host, relayed):

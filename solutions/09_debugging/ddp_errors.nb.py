@@ -18,14 +18,22 @@
 # Three failures that DDP itself reports, each met in real jobs: an error on the second
 # iteration from a head the loss never uses, a checkpoint that cannot be resumed the way it was
 # saved, and "marked ready twice" from activation checkpointing. For each lab: run the code you
-# are given and read the failure, then write the fixed function (its docstring is the contract).
+# are given and read the failure, write down your diagnosis (`diagnose_<lab>()`: the facts its
+# docstring asks, each something the given code does in that run), then write the fixed function
+# (its docstring is the contract).
 #
 # **How it is tested.** The tests call your function on every rank of a real gloo process group
 # (2 ranks in the visible tests), with a deadline, and check behaviour: the weights of one process
 # trained on every rank's batches, identical replicas, what the ranks all-reduce (lab 1), who
 # writes the checkpoint and whether the resumed run continues the uninterrupted one bit for bit
 # (lab 10), and that activation checkpointing still recomputes the block (lab 11). Use the
-# default group as usual; never call `init_process_group` here.
+# default group as usual; never call `init_process_group` here. The diagnoses have no visible
+# test: each is graded when the notebook is graded, by a hidden test of its own, and that graded
+# feedback explains what the given code did and the fixes that work, whether your diagnosis is
+# right or not.
+#
+# **Points**: 8 for the fixes' visible tests, 3 for their hidden tests, and 1 for each lab's
+# diagnosis (3), 14 in all.
 #
 # **Self-check** from the repository root: `pytest exercises/09_debugging/ddp_errors.ipynb`.
 # Hidden tests (1, 3 and 4 ranks; an aux head used on some steps only; SGD with momentum; a block
@@ -81,14 +89,11 @@ def run_unused(rank, world_size, train_with_aux):
     forwards = []
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     error = None
-    with audited_traffic() as traffic:
-        try:
-            train_with_aux(model, checks.aux_batches(s, rank), s["lr"])
-        except RuntimeError as exc:
-            error = str(exc)
-    all_reduces = [c for c in traffic["collective_calls"] if c[0] == "all_reduce"]
+    try:
+        train_with_aux(model, checks.aux_batches(s, rank), s["lr"])
+    except RuntimeError as exc:
+        error = str(exc)
     return {"iteration that raised": len(forwards) + 1 if error else None,
-            "gradient all-reduces before it": len(all_reduces),
             "backbone weight sum": round(model.backbone.weight.sum().item(), 6),
             "error": error}
 
@@ -100,10 +105,40 @@ print(seen["error"])
 # %% [markdown] nbgrader={"grade": false, "grade_id": "read-unused-head", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # **Read the run before you fix it.** Which iteration raised, and which parameters does the
 # error name (by index; `TORCH_DISTRIBUTED_DEBUG=INFO` names them)? What did step 1 do: how many
-# gradient all-reduces were there before the error, and do the ranks' weights still agree? Then
-# write `train_with_aux` without `find_unused_parameters=True` (its docstring is the contract).
-# The test's feedback explains what happened, and the fixes that work, once your answer is
-# checked.
+# gradient all-reduces were there before the error (`audited_traffic()`, imported above, records
+# the collectives a block of code calls, DDP's own included), and do the ranks' weights still
+# agree? Write your diagnosis in `diagnose_unused_head`, then `train_with_aux` without
+# `find_unused_parameters=True` (its docstring is the contract). The visible test checks the fix;
+# the diagnosis is graded when the notebook is graded, and that graded feedback explains what
+# happened and the fixes that work.
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-unused-head", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_unused_head() -> dict:
+    """Your diagnosis of the run above (the given loop, 2 ranks, 4 steps, no aux labels), a dict
+    with the keys:
+
+    * "iteration" (int): the iteration, counting from 1, in which the error was raised;
+    * "unused_parameters" (list of str): the parameters whose indices the error lists, by their
+      names in `model.named_parameters()` (such as "head.weight");
+    * "gradient_all_reduces" (int): how many gradient all-reduces DDP ran before the error;
+    * "replicas_agree" (bool): whether the ranks' weights were still identical after step 1.
+    """
+    ### BEGIN SOLUTION
+    return {"iteration": 2, "unused_parameters": ["aux.weight", "aux.bias"],
+            "gradient_all_reduces": 0, "replicas_agree": False}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-unused-head-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_unused_head(): the iteration that raised, the parameters the error names, the all-reduces before it, whether the replicas still agree.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import ddp_errors as hidden
+hidden.check_unused_head_diagnosis(diagnose_unused_head)
+print("passed")
+### END HIDDEN TESTS
 
 # %% nbgrader={"grade": false, "grade_id": "train_with_aux", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def train_with_aux(model: nn.Module, batches: list, lr: float) -> None:
@@ -207,9 +242,39 @@ print(f"resumed through the wrapper, 3 steps later: {gap:.3g} from the uninterru
 # %% [markdown] nbgrader={"grade": false, "grade_id": "read-checkpoint", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # **Read the run before you fix it.** What does the new job's `resume` raise, and what do the
 # file's keys say? Once the model loads, compare the loss of the resumed run with the
-# uninterrupted one over the first steps after the resume. And look at who wrote the file. There
-# is more than one mistake, and the test checks each (the docstrings are the contract); its
-# feedback explains them once your answer is checked.
+# uninterrupted one over the first steps after the resume: what does the resumed Adam start
+# from? And look at who wrote the file. Write your diagnosis in `diagnose_checkpoint`, then fix
+# the save and the resume: there is more than one mistake, and the visible test checks each (the
+# docstrings are the contract). The diagnosis is graded when the notebook is graded, and that
+# graded feedback explains the mistakes and the fixes that work.
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-checkpoint", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_checkpoint() -> dict:
+    """Your diagnosis of the run above (the given save and resume, 2 ranks, Adam, saved after
+    step 3), a dict with the keys:
+
+    * "key_prefix" (str): what the names of the file's tensors have in front of the names the
+      plain model expects;
+    * "ranks_that_wrote" (int): how many of the 2 ranks call `torch.save` on the checkpoint's
+      path;
+    * "resumed_adam_step" (int): the `step` count in the state of the resumed run's Adam (the
+      one built fresh after loading through the wrapper) after its first step.
+    """
+    ### BEGIN SOLUTION
+    return {"key_prefix": "module.", "ranks_that_wrote": 2, "resumed_adam_step": 1}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-checkpoint-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_checkpoint(): the prefix of the saved names, how many ranks write the file, the resumed Adam's step count after its first step.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import ddp_errors as hidden
+hidden.check_checkpoint_diagnosis(diagnose_checkpoint)
+print("passed")
+### END HIDDEN TESTS
 
 # %% nbgrader={"grade": false, "grade_id": "save_checkpoint", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def save_checkpoint(ddp_model: DDP, optimizer: torch.optim.Optimizer, path: str) -> None:
@@ -309,9 +374,36 @@ print(message[:200], "...\n...", message.splitlines()[-1])
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "read-reentrant", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # **Read the run before you fix it.** Which backward raises, which parameter does the error name,
-# and how often does the block run? Neither flag alone is the problem. Fix it without giving up
-# the checkpointing (the test counts the block's recomputations); the test's feedback explains
-# what happened, and the fixes that work, once your answer is checked.
+# and how often had the block's forward run when it did? Neither flag alone is the problem. Write
+# your diagnosis in `diagnose_reentrant`, then fix the loop without giving up the checkpointing
+# (the visible test counts the block's recomputations). The diagnosis is graded when the
+# notebook is graded, and that graded feedback explains what happened and the fixes that work.
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-reentrant", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_reentrant() -> dict:
+    """Your diagnosis of the run above (the given loop, 2 ranks, the block applied once per
+    forward), a dict with the keys:
+
+    * "backward" (int): which `loss.backward()` call raised the error, counting from 1;
+    * "parameter" (str): the name of the parameter the error says was marked ready twice;
+    * "block_forwards" (int): how many times the block's forward had run on a rank when the
+      error was raised (`model.block[1].forwards` counts them).
+    """
+    ### BEGIN SOLUTION
+    return {"backward": 1, "parameter": "block.0.bias", "block_forwards": 2}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-reentrant-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_reentrant(): which backward raised, the parameter the error names, how often the block's forward had run.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import ddp_errors as hidden
+hidden.check_reentrant_diagnosis(diagnose_reentrant)
+print("passed")
+### END HIDDEN TESTS
 
 # %% nbgrader={"grade": false, "grade_id": "train_tower", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def train_tower(model: nn.Module, batches: list, lr: float) -> None:

@@ -29,6 +29,13 @@ grader's side, which tests/test_grading_ddp_errors.py holds them to.
 * ``CHECKPOINTED`` (lab 11, reentrant activation checkpointing): ``train_tower`` trains a
   :class:`Tower` whose block is checkpointed; the block counts its forwards, which must run
   again in the backward (checkpointing kept), and the weights must be one process's.
+
+Each lab also asks a diagnosis of the given code's failure (``diagnose_<lab>()``: which
+iteration, which parameter, how many all-reduces...). Its answer space is small enough to try
+every value against any check that tells right from wrong, so nothing here judges it or knows
+it: :func:`observe_diagnosis` only records the returned dict, and the expected facts, the judge
+and the explanation of each failure (printed in the graded feedback) live in
+autograder/hidden/ddp_errors.py. The visible checks print nothing after a pass.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, cut_text,
                                       judge_each_rank, observed, run_student, safe_text)
+from ddpcourse.grading.exercises.read_the_logs import plain_answer
 from ddpcourse.grading.exercises.resumable_checkpoint import (_same_tensors, _start_audit,
                                                               _stop_audit, read_checkpoint,
                                                               shared_directory)
@@ -650,92 +658,16 @@ RESUME = Case(observe_resume, judge_resume)
 CHECKPOINTED = Case(observe_checkpointed, judge_checkpointed)
 
 
-# What each lab's given code did, and the fixes: the feedback of its visible check once it
-# passes (the lab gives the symptom only; working out the cause is the exercise).
-EXPLANATIONS = {
-    'unused': """\
-**What happened.** DDP's reducer waits, in every backward, for a gradient of *every* parameter
-it wraps before it all-reduces the bucket that holds it. The aux head got none, so the bucket
-was never all-reduced: step 1's `optimizer.step()` used each rank's **own** gradients (no
-all-reduce at all, and the replicas already differ, see the weight sums), and the error comes
-only at the **next** forward, the second iteration: "Expected to have finished reduction in the
-prior iteration before starting a new one", naming the parameter indices that got no gradient
-(4 and 5: `aux.weight`, `aux.bias`; `TORCH_DISTRIBUTED_DEBUG=INFO` names them). Had the aux head
-been used on step 1 and skipped on step 2, the error would come at the third iteration.
+# --- the diagnoses: observed here, judged only by the hidden checks ---------------------------
 
-**The fixes.** The error suggests `find_unused_parameters=True`, which works, at a price on every
-step: DDP traverses the autograd graph after each forward to find the unused parameters and
-all-reduces a map of which parameters each rank used (`Reducer::all_reduce_local_used_map` in
-torch/csrc/distributed/c10d/reducer.cpp), 4 bytes per parameter tensor per step. This lab asks
-for a fix without it (the test counts what the ranks all-reduce):
-
-* **Give DDP nothing to wait for**: freeze the head before wrapping
-  (`model.aux.requires_grad_(False)`: DDP waits only for parameters that require a gradient,
-  and still broadcasts the frozen ones from rank 0 when it wraps). Right when the head is not
-  trained in this run. Wrapping only the parts the loss uses (`DDP(nn.Sequential(backbone,
-  tanh, head))`) also stops the error, but DDP then never broadcasts the aux head: every rank
-  keeps its own initial aux weights, and the test's ranks, which start from different
-  weights, end with replicas that differ.
-* **Give it a part in every loss**: `loss + 0 * aux.sum()` on the steps without aux labels. Its
-  gradient is then zero, which plain SGD (no momentum, no weight decay) turns into no change at
-  all: SGD skips a parameter whose `.grad` is `None` and subtracts `lr * 0` from one whose
-  gradient is zero (torch/optim/sgd.py, `_init_group` and `_single_tensor_sgd`). With weight
-  decay or momentum a zero gradient still moves the weights, so the trick changes the result
-  there. It costs the head's forward, backward and gradient all-reduce on every step, and it is
-  the fix that still works when the head **is** trained on some steps.
-* **`static_graph=True`** tells DDP that the same parameters are used on every iteration: it
-  records the unused ones on the first iteration (all-reducing the map once) and marks them
-  ready itself afterwards. Right when the head is never used; when it is used on some steps
-  only, DDP raises ("Your training graph has changed in this iteration...").
-""",
-    'resume': """\
-**What happened.** Three mistakes, two of which show:
-
-* The wrapper's `state_dict()` names every tensor `module.<name>`, so the plain model of the new
-  job refuses it: "Error(s) in loading state_dict ... Missing key(s) ... Unexpected key(s)
-  ... module.inp.weight". Save `ddp_model.module.state_dict()`.
-* Only the weights were saved: the resumed Adam starts with no moments and step count 0, so
-  its first steps are far larger than the uninterrupted run's (the loss jumps), and the runs
-  part (the gap above). Save and restore `optimizer.state_dict()` too, on every rank (DDP
-  broadcasts the weights when it wraps, never the optimizer).
-* Every rank writes the same file. Replicas are identical, so this is one file written N times,
-  at once: on a shared filesystem the writes race, and a reader can meet a half-written file.
-  Rank 0 writes, then every rank waits (`dist.barrier()`) so that no rank goes on (or resumes)
-  before the file is complete. One file per rank (`checkpoint-{rank}.pt`) avoids the race but
-  is not accepted here either: N copies of the same bytes, N times the I/O, and a job resumed
-  on another number of ranks has no file for its new ranks.
-""",
-    'tower': """\
-**What happened.** On the first backward: "Expected to mark a variable ready only once ...
-Parameter at index 3 with name block.0.bias has been marked as ready twice". No parameter is
-shared and the block runs once: the combination of the two flags is enough. Reentrant
-checkpointing (`use_reentrant=True`) runs the block under `no_grad` in the forward and
-recomputes it in a backward of its own; the block's parameters are not in the graph that
-`find_unused_parameters=True` traverses after the forward, so DDP takes them for unused and
-marks them ready at once, and then the inner backward's gradient hooks mark them ready again.
-(The same error, without `find_unused_parameters`, comes from a reentrant-checkpointed block
-applied twice in one forward: the hidden tests have one.)
-
-**The fixes**, each shown to pass these tests:
-
-* `use_reentrant=False`: the non-reentrant implementation records the recomputation in the
-  same autograd graph (saved-tensor hooks), so DDP sees the block's parameters used once. The
-  PyTorch docs recommend it (torch.utils.checkpoint.checkpoint); keep
-  `find_unused_parameters=True` for the pooler.
-* `static_graph=True` in place of `find_unused_parameters=True`: DDP learns on the first
-  iteration which parameters are used and how often their hooks fire, and marks them
-  accordingly, so reentrant checkpointing and the unused pooler both work, as long as the
-  graph is the same on every iteration.
-* Dropping `find_unused_parameters` alone is no fix: the pooler's missing gradient then raises
-  lab 1's error on the second iteration; and dropping the checkpointing gives back the memory
-  it saved (the test counts the block's recomputations).
-""",
-}
+DIAGNOSIS_TIMEOUT_S = 30.0  # one rank returning a dict; only a hang gets near it
 
 
-def explain(lab: str) -> None:
-    """Print what the lab's given code did and why the fixes work (after its check passed)."""
-    print(f"{EXPLANATIONS[lab].rstrip()}\n")
+def observe_diagnosis(rank, world_size, diagnose):
+    """Call the student's ``diagnose_*()`` and keep what it returns as plain data (ints, bools,
+    strings, a short list of them), as read_the_logs keeps its answers. Nothing here knows the
+    right diagnosis: autograder/hidden/ddp_errors.py judges the observation."""
+    return {"answer": plain_answer(diagnose())}
 
 
 # --- the visible checks -----------------------------------------------------------------------
@@ -743,16 +675,13 @@ def explain(lab: str) -> None:
 
 def check_aux_head_never_used(train_with_aux) -> None:
     run_student(UNUSED, 2, train_with_aux, VISIBLE_UNUSED)
-    explain("unused")
 
 
 def check_resume(save_checkpoint, resume) -> None:
     from ddpcourse.grading.checks import together
 
     run_student(RESUME, 2, together(save_checkpoint, resume), VISIBLE_RESUME)
-    explain("resume")
 
 
 def check_checkpointed_tower(train_tower) -> None:
     run_student(CHECKPOINTED, 2, train_tower, VISIBLE_TOWER)
-    explain("tower")
