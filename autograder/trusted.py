@@ -23,7 +23,9 @@ arguments of each case, never the hidden modules or the solutions.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
+import io
 import os
 import pickle
 import signal
@@ -278,12 +280,16 @@ def graded_names(cells: Sequence[GradedCell]) -> list[str]:
     return sorted({name for cell in cells for call in cell.calls for name in call.arguments})
 
 
+MAX_PRINTED_CHARS = 20_000  # of what a cell's checks print when they pass, in its feedback
+
+
 @dataclass
 class CellVerdict:
     grade_id: str
     points: float
     score: float
     message: str  # empty when passed
+    printed: str = ""  # what the checks printed on a pass (e.g. an explanation the lab reveals)
 
 
 def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
@@ -293,7 +299,7 @@ def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
     :class:`~autograder.relayed.RelayedRanks`, for the cases that audit communication."""
     verdicts = []
     for cell in cells:
-        message = ""
+        message, printed = "", io.StringIO()
         for call in cell.calls:
             missing = [name for name in call.arguments if name not in payloads]
             if missing:
@@ -304,7 +310,8 @@ def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
                          for name in call.arguments]
             check = getattr(importlib.import_module(call.module), call.check)
             try:
-                check(*functions)
+                with contextlib.redirect_stdout(printed):
+                    check(*functions)
             except CheckFailed as failed:
                 message = str(failed)
                 break
@@ -313,7 +320,8 @@ def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
                            "Tell your instructor.")
                 break
         verdicts.append(CellVerdict(cell.grade_id, cell.points, 0.0 if message else cell.points,
-                                    message))
+                                    message, "" if message else
+                                    printed.getvalue()[:MAX_PRINTED_CHARS]))
     return verdicts
 
 
@@ -372,5 +380,7 @@ def annotate(notebook_path: Path, verdicts: Sequence[CellVerdict]) -> None:
                    f"{verdict.message}")
         note = (f"{GRADER_NOTE}Graded outside your notebook, by the grader's own run of your "
                 f"functions: {outcome}\n")
+        if verdict.printed.strip():
+            note += f"\n{verdict.printed.rstrip()}\n"
         cell.outputs.insert(0, nbformat.v4.new_output("stream", name="stdout", text=note))
     nbformat.write(notebook, notebook_path)

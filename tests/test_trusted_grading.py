@@ -9,6 +9,7 @@ import os
 import pickle
 
 
+import nbformat
 import pytest
 import torch
 import torch.distributed as dist
@@ -104,6 +105,35 @@ def test_missing_functions_and_grader_errors_score_zero_with_a_reason(host):
     cells = trusted.graded_cells(SOURCE)[:1]
     verdict, = trusted.grade_cells(cells, {}, host)
     assert verdict.score == 0 and "average_gradients was not defined" in verdict.message
+
+
+def explains_and_passes(fn):
+    print("What happened: the explanation the graded feedback reveals.")
+
+
+def explains_and_fails(fn):
+    print("printed before the failure")
+    raise CheckFailed("the field 'rank' is wrong")
+
+
+def test_what_a_passing_check_prints_goes_into_the_cells_feedback(tmp_path):
+    """A check may print what a lab reveals once it is graded (chapter 09's explanations): on a
+    pass it follows the verdict in the cell's output; a failure shows its message only."""
+    cells = [trusted.GradedCell(grade_id, 1.0, (trusted.CheckCall(__name__, check, ("f",)),))
+             for grade_id, check in (("passes", "explains_and_passes"),
+                                     ("fails", "explains_and_fails"))]
+    passed, failed = trusted.grade_cells(cells, {"f": b""}, host=None)
+    assert (passed.score, passed.printed) == (
+        1.0, "What happened: the explanation the graded feedback reveals.\n")
+    assert (failed.score, failed.printed, failed.message) == (0.0, "", "the field 'rank' is wrong")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "pass", metadata={"nbgrader": {"grade_id": grade_id}}) for grade_id in ("passes", "fails")])
+    path = tmp_path / "graded.ipynb"
+    nbformat.write(notebook, path)
+    trusted.annotate(path, [passed, failed])
+    first, second = (cell.outputs[0].text for cell in nbformat.read(path, as_version=4).cells)
+    assert "passed (1 of 1 points)" in first and "the explanation the graded feedback" in first
+    assert "FAILED (0 of 1 points)" in second and "printed before the failure" not in second
 
 
 def test_observations_must_be_plain_data():
