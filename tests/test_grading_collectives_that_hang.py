@@ -2,11 +2,16 @@
 hidden check through the trusted grader; every given function of the notebook still fails the way
 its lab says on this PyTorch (a gloo abort with gloo's own message, a hang with the rank blocked
 where the lab says); the tempting wrong fixes fail the check they should, and the other right
-fixes pass. The exercise: solutions/09_debugging/collectives_that_hang.nb.py."""
+fixes pass. Each lab's diagnosis, judged by the hidden module only, is what the given code does
+(every expected value derived again from runs of the given code, its gradient all-reduces traced
+with the step each rank was in); a wrong field fails named, and the explanation comes with the
+graded feedback, never from the visible module. The exercise:
+solutions/09_debugging/collectives_that_hang.nb.py."""
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import cloudpickle
@@ -39,9 +44,9 @@ SHORT = 2.0  # seconds: the givens' hangs are real, any deadline shows them
 GLOO_ABORT = "Received data size doesn't match expected size"
 
 
-def from_the_notebook(cell_id: str, name: str):
+def from_the_notebook(cell_id: str, name: str, ddp=DDP):
     """A function as the source notebook's cell ``cell_id`` defines it, in a fresh namespace."""
-    namespace = {"torch": torch, "dist": dist, "F": F, "DDP": DDP, "DataLoader": DataLoader}
+    namespace = {"torch": torch, "dist": dist, "F": F, "DDP": ddp, "DataLoader": DataLoader}
     exec(compile(solution_code(SOURCE, cell_id), "<student notebook>", "exec"), namespace)
     return namespace[name]
 
@@ -411,3 +416,255 @@ def test_a_damaged_report_fails_its_rank_only(path, value):
 def test_honest_reports_pass():
     checks.judge_gather([honest_gather(0), honest_gather(1)], 2, [GATHER_SITUATION])
     assert math.isfinite(hidden.expected_skip(2, checks.VISIBLE_SKIP[0])[2])
+
+
+# --- the diagnoses: each expected value, derived again from a run of the given code ------------
+
+DEADLINE = 4.0  # seconds: the givens hang for good; a little more than SHORT for a loaded machine
+
+
+def traced_ddp(trace: str):
+    """A DDP class for the given code's namespace that appends one line per event to
+    ``trace``-RANK (a file, so that it survives a hang or an abort): ``all_reduce S`` when the
+    gradient all-reduce of step S starts, ``paired S P`` when it completes, P being the step of
+    the other rank's all-reduce that met it (each of the 2 ranks adds its step to the bucket:
+    the sum is both steps), and ``evaluated`` after an eval-mode forward returned."""
+
+    class TracedDDP(DDP):
+        def __init__(self, module, **kwargs):
+            super().__init__(module, **kwargs)
+            self.step = 0
+            self.register_comm_hook(self, _tagged_all_reduce)
+
+        def note(self, *words):
+            with open(f"{trace}-{dist.get_rank()}", "a") as out:
+                out.write(" ".join(map(str, words)) + "\n")
+
+        def forward(self, *args, **kwargs):
+            self.step += self.module.training  # a training forward starts a step
+            result = super().forward(*args, **kwargs)
+            if not self.module.training:
+                self.note("evaluated")
+            return result
+
+    return TracedDDP
+
+
+def _tagged_all_reduce(ddp, bucket):
+    ddp.note("all_reduce", ddp.step)
+    tagged = torch.cat([bucket.buffer(), torch.tensor([float(ddp.step)])])
+
+    def done(future):
+        total = future.value()[0]
+        ddp.note("paired", ddp.step, int(total[-1].item()) - ddp.step)
+        return total[:-1] / dist.get_world_size()
+
+    return dist.all_reduce(tagged, async_op=True).get_future().then(done)
+
+
+def trace_of(trace, rank: int) -> list[list[str]]:
+    with open(f"{trace}-{rank}") as lines:
+        return [line.split() for line in lines]
+
+
+def failures_of(fn, *args) -> RankError:
+    """The RankError of ``fn`` run on 2 gloo ranks (it must fail)."""
+    with pytest.raises(RankError) as failed:
+        run_ranks(fn, 2, *args, timeout=DEADLINE, backend="gloo", relay_output=False)
+    return failed.value
+
+
+def function_in(stack: str, file_end: str) -> str:
+    """The innermost function of ``stack`` (most recent call first) in a file ending in
+    ``file_end``; ``"<student notebook>"``'s caller: the call on the given code's line."""
+    frames = re.findall(r'File "([^"]+)", line \d+ in (\S+)', stack)
+    if file_end == "<student notebook>":
+        given = next(i for i, (path, _) in enumerate(frames) if path == file_end)
+        return frames[given - 1][1]
+    return next(name for path, name in frames if path.endswith(file_end))
+
+
+def demo_log(rank, world_size, train_and_log, log_every):
+    """Lab 1's Run-it: 4 steps of 4 rows, seed 0."""
+    model = checks.make_linear(checks.model_seed(0, rank))
+    train_and_log(model, checks.make_batches(0, rank, 4, 4), 0.1, log_every, lambda *_: None)
+
+
+def demo_evaluate(rank, world_size, fit_and_evaluate, make_model=checks.make_bn_model):
+    """Lab 2's Run-it: 2 epochs of 3 steps of 6 rows."""
+    model = make_model(checks.model_seed(0, rank))
+    return fit_and_evaluate(model, checks.make_batches(0, rank, 3, 6),
+                            checks.make_batch(0, 99, 0, 12), 2, 0.1)
+
+
+def demo_shard(rank, world_size, train_on_shard):
+    """Lab 3's Run-it: shards of 10 and 7 samples, batches of 3."""
+    model = checks.make_linear(checks.model_seed(0, rank))
+    return train_on_shard(model, checks.Shard(0, rank, [10, 7][rank]), 3, 0.1)
+
+
+def demo_skip(rank, world_size, train_skipping_bad_batches):
+    """Lab 4's Run-it: 6 steps, a NaN in rank 1's batch of step 2."""
+    model = checks.make_linear(checks.model_seed(0, rank))
+    return train_skipping_bad_batches(model, checks.lab4_batches(0, rank, 6, 4, [[1, 2, "nan"]]),
+                                      0.1, 0.05)
+
+
+def demo_gather(rank, world_size, gather_predictions, rows=(4, 3)):
+    """Lab 5's Run-it: rank 0 holds 4 labels, rank 1 holds 3."""
+    return gather_predictions(checks.predictions(0, rank, rows[rank], "labels")).tolist()
+
+
+def traced_given(lab: int, trace) -> object:
+    return from_the_notebook(GIVEN_CELLS[lab], "buggy_" + NAMES[lab], traced_ddp(str(trace)))
+
+
+
+def derived(lab: str, facts: dict) -> dict:
+    """``facts`` as the hidden module compares them (its own normalization)."""
+    return {field: hidden.normalize(hidden.KINDS[field], value) for field, value in facts.items()}
+
+
+def expected(lab: str) -> dict:
+    return derived(lab, hidden.DIAGNOSES[lab])
+
+
+def test_the_log_diagnosis_is_what_the_given_code_does(tmp_path):
+    """(a) logging at the last step: one rank left, blocked in a torch.distributed function.
+    (b) logging at step 2: gloo aborts a rank, whose log all-reduce met the other rank's gradient
+    all-reduce of the step the trace shows started and never paired."""
+    hung = failures_of(demo_log, given(0), 4)
+    assert isinstance(hung, RankTimeoutError) and len(hung.failed_ranks) == 1
+    [hung_rank] = hung.failed_ranks
+    aborted = failures_of(demo_log, given(0), 2)
+    [killed] = [f for f in aborted.failures if f.kind == "exited"]
+    assert killed.exitcode == -6
+    traced = failures_of(demo_log, traced_given(0, tmp_path / "trace"), 2)
+    assert [f.rank for f in traced.failures if f.kind == "exited"] == [killed.rank]
+    assert " in all_reduce\n" in traced.failures[killed.rank].stack  # its log all-reduce
+    last = trace_of(tmp_path / "trace", 1 - killed.rank)[-1]
+    assert last[0] == "all_reduce"  # started, never paired
+    assert derived("log", {
+        "hung_rank": hung_rank,
+        "hung_in": function_in(hung.failures[hung_rank].stack, "distributed_c10d.py"),
+        "aborted_rank": killed.rank, "paired_with_step": int(last[1])}) == expected("log")
+
+
+def test_the_evaluate_diagnosis_is_what_the_given_code_does(tmp_path):
+    """Rank 0 waits in DDP's buffer broadcast after completing the evaluations the trace shows;
+    the same run with a model without buffers returns on every rank."""
+    hung = failures_of(demo_evaluate, traced_given(1, tmp_path / "trace"))
+    assert isinstance(hung, RankTimeoutError) and len(hung.failed_ranks) == 1
+    [rank] = hung.failed_ranks
+    waits_in = function_in(hung.failures[rank].stack, "nn/parallel/distributed.py")
+    assert " in _sync_buffers\n" in hung.failures[rank].stack  # DDP's buffer sync, as explained
+    evaluated = [line for line in trace_of(tmp_path / "trace", rank) if line == ["evaluated"]]
+    try:
+        run_ranks(demo_evaluate, 2, given(1), checks.make_linear, timeout=DEADLINE,
+                  backend="gloo", relay_output=False)
+        hangs_without_buffers = False
+    except RankTimeoutError:
+        hangs_without_buffers = True
+    assert not list(checks.make_linear(0).buffers()) and list(checks.make_bn_model(0).buffers())
+    assert derived("evaluate", {
+        "hung_rank": rank, "collective": "broadcast" if "broadcast" in waits_in else waits_in,
+        "evaluations_completed": len(evaluated),
+        "hangs_without_buffers": hangs_without_buffers}) == expected("evaluate")
+
+
+def test_the_shard_diagnosis_is_what_the_given_code_does(tmp_path):
+    """The longer shard's rank is blocked in the call on the given code's line, in the step
+    whose gradient all-reduce the trace shows started and never paired."""
+    hung = failures_of(demo_shard, traced_given(2, tmp_path / "trace"))
+    assert isinstance(hung, RankTimeoutError) and len(hung.failed_ranks) == 1
+    [rank] = hung.failed_ranks
+    last = trace_of(tmp_path / "trace", rank)[-1]
+    assert last[0] == "all_reduce"
+    assert derived("shard", {
+        "hung_rank": rank,
+        "hung_in": function_in(hung.failures[rank].stack, "<student notebook>"),
+        "hung_at_step": int(last[1])}) == expected("shard")
+
+
+def test_the_skip_diagnosis_is_what_the_given_code_does(tmp_path):
+    """Rank 1 skipped step 2: the trace pairs each of rank 0's later all-reduces with rank 1's
+    of another step, and rank 0's last one with none."""
+    hung = failures_of(demo_skip, traced_given(3, tmp_path / "trace"))
+    assert isinstance(hung, RankTimeoutError) and len(hung.failed_ranks) == 1
+    [rank] = hung.failed_ranks
+    assert function_in(hung.failures[rank].stack, "<student notebook>") == "backward"
+    trace = trace_of(tmp_path / "trace", rank)
+    assert trace[-1][0] == "all_reduce"
+    mixed = [int(own) for event, own, *partner in trace
+             if event == "paired" and partner != [own]]
+    assert derived("skip", {"hung_rank": rank, "hung_at_step": int(trace[-1][1]),
+                            "mixed_steps": mixed}) == expected("skip")
+
+
+def test_the_gather_diagnosis_is_what_the_given_code_does():
+    """gloo aborts the rank holding fewer rows, whichever rank that is."""
+    aborted = {}
+    for rows in ((4, 3), (3, 4)):
+        [killed] = [f for f in failures_of(demo_gather, given(4), rows).failures
+                    if f.kind == "exited"]
+        aborted[rows] = killed
+    assert aborted[(4, 3)].exitcode == aborted[(3, 4)].exitcode
+    assert derived("gather", {"aborted_rank": aborted[(4, 3)].rank,
+                              "exitcode": aborted[(4, 3)].exitcode,
+                              "aborted_rank_swapped": aborted[(3, 4)].rank}) == expected("gather")
+
+
+LABS = ("log", "evaluate", "shard", "skip", "gather")
+
+
+def diagnosis(lab: str):
+    return from_the_notebook(f"diagnose-{lab}", f"diagnose_{lab}")
+
+
+def wrong_value(kind: str, value):
+    return {"int": lambda v: v + 1, "bool": lambda v: not v, "ints": lambda v: v[:-1],
+            "function": lambda v: "barrier" if v != "barrier" else "all_gather"}[kind](value)
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_the_solution_diagnosis_passes_and_each_wrong_field_fails_named(lab):
+    """The solution's answer is the hidden module's; a wrong value in any one field, or a
+    missing field, fails with that field named (and only it)."""
+    right = diagnosis(lab)()
+    assert hidden.judge_diagnosis(lab, right) == []
+    assert right.keys() == hidden.DIAGNOSES[lab].keys()
+    for field, value in right.items():
+        wrong = hidden.judge_diagnosis(lab, {**right, field: wrong_value(hidden.KINDS[field],
+                                                                         value)})
+        assert len(wrong) == 1 and wrong[0].startswith(f"{field!r} = "), wrong
+        missing = hidden.judge_diagnosis(lab, {k: v for k, v in right.items() if k != field})
+        assert len(missing) == 1 and missing[0].startswith(f"{field!r} is missing"), missing
+    assert hidden.judge_diagnosis(lab, {**right, next(iter(right)): "1"})[0].endswith("not '1'")
+
+
+def test_the_hidden_diagnosis_checks_run_the_submitted_function_and_always_explain(host, capsys):
+    """Through the autograder's path: a right diagnosis passes and prints the explanation; a
+    wrong one fails naming the field, with the explanation in the failure."""
+    for lab in LABS:
+        getattr(hidden, f"check_{lab}_diagnosis")(submitted(diagnosis(lab), host))
+        assert hidden.EXPLANATIONS[lab].rstrip() in capsys.readouterr().out
+
+    def diagnose_gather():
+        return {"aborted_rank": 0, "exitcode": -6, "aborted_rank_swapped": 0}
+
+    with pytest.raises(CheckFailed) as failed:
+        hidden.check_gather_diagnosis(submitted(diagnose_gather, host))
+    text = str(failed.value)
+    assert "'aborted_rank' = 0 is not what the given code does" in text
+    assert "aborted_rank_swapped" not in text.split("Why the given code failed")[0]
+    assert hidden.EXPLANATIONS["gather"].rstrip() in text
+
+
+def test_the_visible_module_holds_no_diagnosis_and_prints_nothing_after_a_pass(capsys):
+    """The diagnoses and explanations live in the hidden module only: the visible module, which
+    every student can import, has neither, and its checks print nothing after a pass."""
+    for name in ("EXPLANATIONS", "explain", "explanation", "DIAGNOSES", "KINDS",
+                 "HINTS_BY_FIELD", "judge_diagnosis"):
+        assert not hasattr(checks, name), name
+    checks.check_gather_predictions(solutions()[4])
+    assert capsys.readouterr().out == ""

@@ -12,6 +12,14 @@ batch at all, an early stop decided by the mean although one rank's own loss is 
 threshold, a last batch of one row, equal sizes. They run the visible module's ``observe_*``,
 judged here with these truths, only in the trusted grader.
 
+Each lab's diagnosis (``diagnose_<lab>()``, its own hidden cell) is judged here only: the facts
+of what the lab's given code does in its Run-it setting (:data:`DIAGNOSES`, which
+tests/test_grading_collectives_that_hang.py derives again from runs of the given code), and the
+explanation of each failure and of the fixes that work (:data:`EXPLANATIONS`), printed in the
+graded feedback whether the diagnosis is right or wrong. A visible check that told a right
+diagnosis from a wrong one would let a loop try every value of a small answer space before
+grading.
+
 ``python -m autograder.hidden.collectives_that_hang`` prints the visible cases' truths as the
 visible module writes them out (``WRITTEN_OUT``).
 """
@@ -19,11 +27,13 @@ visible module writes them out (``WRITTEN_OUT``).
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-from ddpcourse.grading.checks import Case
+from ddpcourse.grading.checks import Case, CheckFailed, cut_text, run_student
 from ddpcourse.grading.exercises import collectives_that_hang as visible
 from ddpcourse.grading.exercises.collectives_that_hang import (
     HINTS, _run, _state, digest, lab4_batches, make_batch, make_batches, make_bn_model,
@@ -240,6 +250,286 @@ def check_collectives_that_hang(train_and_log, fit_and_evaluate, train_on_shard,
             (GATHER, gather_predictions, GATHER_SITUATIONS, HINTS["gather"])):
         for world_size, cases in situations.items():
             _run(case, world_size, fn, cases, hint, timeout=None, hide_internals=True)
+
+
+# --- the diagnoses ------------------------------------------------------------------------------
+
+# What each lab's given code does in the lab's Run-it setting (2 gloo ranks), field by field: the
+# diagnosis the student's diagnose_<lab>() must return. tests/test_grading_collectives_that_hang.py
+# derives every value again from runs of the given code (the gradient all-reduces traced with the
+# step each rank was in), so a torch that changes the failure turns the test red, not a grade.
+DIAGNOSES: dict[str, dict[str, Any]] = {
+    "log": {
+        "hung_rank": 0,  # run (a): the log all-reduce after the last step has no partner
+        "hung_in": "all_reduce",
+        "aborted_rank": 0,  # run (b): its one-float all-reduce receives a gradient chunk
+        "paired_with_step": 3,  # rank 1's gradient all-reduce of step 3 met it
+    },
+    "evaluate": {
+        "hung_rank": 0,
+        "collective": "broadcast",  # DDP's buffer broadcast (_sync_buffers), in the eval forward
+        "evaluations_completed": 1,  # epoch 1's met rank 1's broadcast of step 4
+        "hangs_without_buffers": False,  # no buffers: no collective in a no_grad forward
+    },
+    "shard": {
+        "hung_rank": 0,  # 10 samples: 4 batches; rank 1's 7: 3 batches
+        "hung_in": "backward",  # DDP's gradient all-reduce of step 4
+        "hung_at_step": 4,
+    },
+    "skip": {
+        "hung_rank": 0,
+        "hung_at_step": 6,  # rank 1 returned after 5 backwards, rank 0 is in its sixth
+        "mixed_steps": [2, 3, 4, 5],  # each met rank 1's all-reduce of the next step
+    },
+    "gather": {
+        "aborted_rank": 1,  # the smaller tensor receives more bytes than it holds
+        "exitcode": -6,  # SIGABRT
+        "aborted_rank_swapped": 0,
+    },
+}
+# How a field's value is compared ("int": an int, not a bool; "bool"; "ints": a list of ints, in
+# order; "function": a string, any "torch.distributed." / "dist." / "loss." in front, a trailing
+# "()", case and underscores ignored).
+KINDS = {
+    "hung_rank": "int", "hung_in": "function", "aborted_rank": "int", "paired_with_step": "int",
+    "collective": "function", "evaluations_completed": "int", "hangs_without_buffers": "bool",
+    "hung_at_step": "int", "mixed_steps": "ints", "exitcode": "int",
+    "aborted_rank_swapped": "int",
+}
+# Where the evidence is, for a field that is wrong; never its value.
+HINTS_BY_FIELD = {
+    ("log", "hung_rank"): "run (a): the report at the deadline names the ranks that did not "
+        "finish",
+    ("log", "hung_in"): "the innermost frame of torch/distributed/distributed_c10d.py in that "
+        "rank's stack",
+    ("log", "aborted_rank"): "run (b): which rank 'was killed by SIGABRT'?",
+    ("log", "paired_with_step"): "collectives pair up by their order on each rank, not by what "
+        "they carry: write down each rank's collectives after the last one they made together "
+        "(DDP all-reduces the gradients in every backward)",
+    ("evaluate", "hung_rank"): "the report at the deadline names the ranks that did not finish",
+    ("evaluate", "collective"): "the innermost frame of torch/nn/parallel/distributed.py in that "
+        "rank's stack, and the DDP function that called it",
+    ("evaluate", "evaluations_completed"): "an evaluation's forward returns once its collective "
+        "is met: what does the other rank call after the first epoch, and after the last?",
+    ("evaluate", "hangs_without_buffers"): "read DistributedDataParallel.will_sync_module_buffers "
+        "in torch/nn/parallel/distributed.py, or try it: checks.make_linear in place of "
+        "checks.make_bn_model in the Run-it cell",
+    ("shard", "hung_rank"): "which rank's shard gives more batches?",
+    ("shard", "hung_in"): "the frame right above the given function's own frame in that rank's "
+        "stack: the call on the given code's line",
+    ("shard", "hung_at_step"): "count the batches DataLoader(shard, batch_size=3) gives from 10 "
+        "samples and from 7",
+    ("skip", "hung_rank"): "the report at the deadline names the ranks that did not finish",
+    ("skip", "hung_at_step"): "count each rank's backwards (a skipped step has none): which one "
+        "has no partner?",
+    ("skip", "mixed_steps"): "each rank's k-th gradient all-reduce meets the other's k-th: write "
+        "both ranks' steps with a backward side by side",
+    ("gather", "aborted_rank"): "which rank 'was killed by SIGABRT'?",
+    ("gather", "exitcode"): "the exit code the report gives for that rank",
+    ("gather", "aborted_rank_swapped"): "which rank receives more bytes than its tensor holds? "
+        "Or try it with the sizes swapped",
+}
+_EXPECTED_TYPE = {"int": "an int", "bool": "True or False", "ints": "a list of ints",
+                  "function": "a string"}
+
+
+def normalize(kind: str, value: Any) -> Any:
+    """The comparable form of an answer's value (plain data), or None when its type is wrong."""
+    if kind == "int":
+        return value if type(value) is int else None
+    if kind == "bool":
+        return value if type(value) is bool else None
+    if kind == "ints":
+        return value if type(value) is list and all(type(v) is int for v in value) else None
+    if type(value) is not str:
+        return None
+    text = value.strip().strip("'\"`").strip().lower()
+    text = re.sub(r"^(torch\.distributed\.|dist\.|loss\.)", "", text).removesuffix("()")
+    return text.replace("_", "")
+
+
+def judge_diagnosis(lab: str, answer: Any) -> list[str]:
+    """Every wrong or missing field of ``answer`` (the observed plain data), each named with
+    where to look; empty when the diagnosis is right."""
+    if isinstance(answer, dict) and set(answer) == {"not_plain"}:
+        return [f"it must return a dict of ints, bools, strings and lists of ints; it returned "
+                f"{cut_text(answer['not_plain'], 100)}"]
+    if not isinstance(answer, dict):
+        return ["it must return a dict"]
+    wrong = []
+    for field, expected in DIAGNOSES[lab].items():
+        kind = KINDS[field]
+        if field not in answer:
+            wrong.append(f"{field!r} is missing (the dict has {cut_text(sorted(answer), 200)})")
+            continue
+        given = normalize(kind, answer[field])
+        if given is None:
+            wrong.append(f"{field!r} should be {_EXPECTED_TYPE[kind]}, not "
+                         f"{cut_text(repr(answer[field]), 60)}")
+        elif given != normalize(kind, expected):
+            wrong.append(f"{field!r} = {cut_text(repr(answer[field]), 60)} is not what the given "
+                         f"code does. Where to look: {HINTS_BY_FIELD[(lab, field)]}")
+    return wrong
+
+
+def _diagnosis_case(lab: str) -> Case:
+    def judge(observations, world_size):
+        [observation] = observations
+        answer = observation.get("answer") if isinstance(observation, dict) else None
+        wrong = judge_diagnosis(lab, answer)
+        if wrong:
+            raise CheckFailed(f"diagnose_{lab}():\n" + "\n".join(f"* {line}" for line in wrong)
+                              + f"\n\n{explanation(lab)}")
+
+    return Case(visible.observe_diagnosis, judge)
+
+
+DIAGNOSIS_CASES = {lab: _diagnosis_case(lab) for lab in DIAGNOSES}
+
+
+def check_diagnosis(lab: str, diagnose) -> None:
+    """Judge ``diagnose`` (called in a rank of its own, no process group, like every submitted
+    function); the explanation of the lab ends the feedback either way: printed after a right
+    diagnosis, part of the failure's message after a wrong one."""
+    __tracebackhide__ = True  # noqa: F841
+    run_student(DIAGNOSIS_CASES[lab], 1, diagnose, timeout=visible.DIAGNOSIS_TIMEOUT_S,
+                init_process_group=False, hide_internals=True)
+    print(explanation(lab))
+
+
+def check_log_diagnosis(diagnose_log) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    check_diagnosis("log", diagnose_log)
+
+
+def check_evaluate_diagnosis(diagnose_evaluate) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    check_diagnosis("evaluate", diagnose_evaluate)
+
+
+def check_shard_diagnosis(diagnose_shard) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    check_diagnosis("shard", diagnose_shard)
+
+
+def check_skip_diagnosis(diagnose_skip) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    check_diagnosis("skip", diagnose_skip)
+
+
+def check_gather_diagnosis(diagnose_gather) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    check_diagnosis("gather", diagnose_gather)
+
+
+# What each lab's given code did, and the fixes: the graded feedback of its diagnosis.
+EXPLANATIONS = {
+    "log": """\
+**What happened.** Only rank 0 writes the log, so its author put the whole logging block,
+all-reduce included, under `if dist.get_rank() == 0`. Rank 0 now makes one collective more than
+the others, and what happens depends on what the others call next:
+
+* **nothing** (the log step was the last step, run (a)): rank 0 waits in `all_reduce` forever;
+  rank 1 finishes.
+* **DDP's gradient all-reduce of their next step** (run (b)): after the gradient all-reduce of
+  step 2, which both ranks made together, rank 0's next collective is its one-float log
+  all-reduce and rank 1's is DDP's all-reduce of the gradients in the backward of step 3. gloo
+  pairs them: collectives are matched by their order on each rank, not by what they hold. The
+  sizes differ, and gloo (torch 2.13) **aborts** rank 0, which receives more bytes than its one
+  float holds, with SIGABRT, exit code -6: `Received data size doesn't match expected size. Is
+  there a distributed collective mismatch in your code?` (`gloo/transport/tcp/pair.cc`). No
+  Python exception: no `try` can catch it.
+* a collective **of the same size**: nothing fails, and each side gets the other's data for its
+  own purpose (labs 2 and 4 show such silent pairings).
+
+**The fix.** Every rank makes the same collectives in the same order; only what is done with the
+result (printing, writing) may depend on the rank: every rank all-reduces the loss on a log
+step, and rank 0 alone calls `log`.
+""",
+    "evaluate": """\
+**What happened.** After each epoch rank 0 alone computes a validation loss, in eval mode and
+under `torch.no_grad()`, by calling the DDP wrapper. The model has a BatchNorm layer, and its
+running statistics are **buffers**. With `forward_sync_buffers=True` (the default; torch 2.13's
+name for the deprecated `broadcast_buffers`) DDP's forward broadcasts the buffers from rank 0
+before running the module (`DistributedDataParallel._pre_forward` -> `_sync_buffers` ->
+`_distributed_broadcast_coalesced`, torch/nn/parallel/distributed.py) whenever
+`require_forward_param_sync` is set: at the first forward and after every forward that ran
+with gradients enabled outside `no_sync()` (`_post_forward` sets it to
+`torch.is_grad_enabled() and self.require_backward_grad_sync`). It does not look at `train()` /
+`eval()` at all: eval mode does not stop the broadcast. A model without buffers makes no
+collective in a `no_grad` forward (`will_sync_module_buffers()` asks for at least one buffer):
+with `nn.Linear` the same run returns on both ranks, which is why this bug hides in some models
+and not in others.
+
+So rank 0's evaluation forward makes a broadcast the other rank does not make. After epoch 1 it
+pairs with the broadcast of rank 1's next training forward (step 4, the first of epoch 2: same
+buffers, same sizes), and rank 0, whose `no_grad` forward cleared the flag, makes none in its own
+step 4: the ranks are back in step and the job goes on, by luck (rank 1 even received the
+buffers it would have received at step 4: an eval-mode forward does not update them). After
+the **last** epoch nobody joins: rank 0 completed one evaluation and waits in the broadcast of
+the second forever; rank 1 returned.
+
+**Two fixes:** every rank evaluates (through the wrapper; everyone makes the broadcast), or rank
+0 evaluates `ddp_model.module`, the plain module, which makes no collective (in eval mode, so
+BatchNorm uses and keeps its running statistics, then back to train mode).
+""",
+    "shard": """\
+**What happened.** The data is a stream (an `IterableDataset`) sharded by rank, and shards are
+rarely the same length. Each rank loops until its own shard runs out. With batches of 3, rank 1's
+7 samples give 3 batches (3, 3, 1) and rank 0's 10 give 4 (3, 3, 3, 1): rank 1 returns after
+step 3, and rank 0 starts a step 4, whose `loss.backward()` waits in DDP's gradient all-reduce
+for a rank that will never join. It is blocked in `backward` at the deadline.
+
+**The fix.** The stream does not know its length (`len(shard)` raises), so the ranks must agree as
+they go: before each step, every rank says whether it still has a batch, and an `all_reduce`
+with `ReduceOp.MIN` tells every rank whether **all** of them do. The steps then stop together at
+the shortest shard; the longer shards' extra batches are dropped (as `DistributedSampler` with
+`drop_last=True` drops samples so that every rank has as many).
+
+Why not `torch.distributed.algorithms.Join`? `with Join([ddp_model]):` also ends the hang: a
+rank that ran out "shadows" the others' all-reduces with zeros, and the longer shards are
+trained on to their end. But those extra steps average fewer real gradients, still divided by
+the full world size (`divide_by_initial_world_size=True`, the default of
+`DistributedDataParallel.join`), so the weights are not those of `train_on_shard`'s contract,
+and the tests reject it: they ask for the dropped-batches training, which is the same math as
+every earlier step. Use Join when every sample must be seen and you accept those smaller last
+steps.
+""",
+    "skip": """\
+**What happened.** Two decisions in this loop are taken by each rank on its own numbers: skip a
+step whose loss is not finite (a corrupt batch gives NaN, an empty one too: the mean of no
+values), and stop once the loss is low enough. A rank that skips makes no backward, so no
+gradient all-reduce. Rank 1 skipped step 2, so its next all-reduce, of step 3, met rank 0's of
+step 2 (same sizes: no error), and from then on each of rank 0's steps 2, 3, 4 and 5 averaged its
+gradients with rank 1's of the **next** step: wrong numbers, silently. Rank 1 returned after its
+fifth backward (step 6), and rank 0's all-reduce of step 6 waits for a partner that never
+comes: rank 0 is blocked in `backward` at the deadline. A rank that stops alone because its own
+loss is low leaves the others the same way.
+
+**The fix.** Decide together: every rank computes its own flag (my loss is not finite; my loss),
+one `all_reduce` combines them, and every rank acts on the same combined value.
+""",
+    "gather": """\
+**What happened.** Evaluation sharded without padding gives the ranks different numbers of
+predictions (10 samples on 4 ranks: 3, 3, 2, 2), and the last batch of an epoch is often
+smaller. `all_gather` needs the same shape on every rank. On gloo (torch 2.13) a mismatch is not
+a Python error you can catch: the rank whose tensor is smaller (rank 1, 3 labels; rank 0 when
+the sizes are swapped) receives more bytes than it has room for, and gloo aborts that process
+(SIGABRT, exit code -6) with `Received data size doesn't match expected size`. What the other
+rank reports depends on timing (gloo's "Connection reset by peer", or nothing before the
+launcher stops it). (Output tensors of another size than the input raise an ordinary
+`RuntimeError` instead: `ProcessGroupGloo::allgather: invalid tensor size at index 0`.)
+
+**The fix.** Gather the sizes first (one element per rank), pad every tensor to the largest,
+gather, and cut each rank's padding off. (`dist.all_gather_object` does the same for any
+picklable object, through pickling: fine for small results, slow for large tensors.)
+""",
+}
+
+
+def explanation(lab: str) -> str:
+    """What the lab's given code did and the fixes that work: the graded feedback."""
+    return f"Why the given code failed, and the fixes:\n\n{EXPLANATIONS[lab].rstrip()}\n"
 
 
 # --- the visible cases' truths, written out -----------------------------------------------------

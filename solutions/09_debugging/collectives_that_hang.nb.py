@@ -24,21 +24,28 @@
 #
 # Per lab: read the given function (locked), run it (the "Run it" cell launches it on 2 real
 # gloo ranks with a deadline of a few seconds, and shows what each rank was doing when it
-# failed), then write the fixed function below it: same name without `buggy_`, same arguments,
-# and the docstring is the contract.
+# failed), write down your diagnosis (`diagnose_<lab>()`: the facts its docstring asks, each
+# something the given code does in that run), then write the fixed function below it: same name
+# without `buggy_`, same arguments, and the docstring is the contract.
 #
 # **How it is tested.** The tests call your function on every rank of a real gloo process group
 # (as `run_ranks(fn, world_size)` does: use the default group, never `init_process_group` here),
 # with a deadline of a few seconds. They require that every rank returns in time, the exact result
 # the docstring asks for (steps, logged values, gathered rows; trained weights within 1e-5 of the
 # ranks' DDP training, simulated where none of your code runs) and bit-identical parameters on all
-# ranks at the end.
+# ranks at the end. The diagnoses have no visible test: each is graded when the notebook is
+# graded, by a hidden test of its own, and that graded feedback explains what the given code did
+# and the fixes that work, whether your diagnosis is right or not.
 #
-# **Self-check** from the repository root: `pytest exercises/09_debugging/collectives_that_hang.ipynb`.
-# Hidden tests (3 and 4 ranks, other shard lengths, a bad batch on another rank or on two ranks at
-# once, an empty batch, no bad batch at all, a last batch of one row, equal sizes) run when the
-# notebook is graded. Keep the names and signatures exactly as given, and do not reassign library
-# functions (the tests check for it).
+# **Points**: 13 for the fixes' visible tests, 4 for their hidden tests, and 1 for each lab's
+# diagnosis (5), 22 in all.
+#
+# **Self-check** from the repository root: `pytest exercises/09_debugging/collectives_that_hang.ipynb`
+# (the fixes' visible tests). The fixes' hidden tests (3 and 4 ranks, other shard lengths, a bad
+# batch on another rank or on two ranks at once, an empty batch, no bad batch at all, a last batch
+# of one row, equal sizes) and the diagnoses' tests run when the notebook is graded. Keep the
+# names and signatures exactly as given, and do not reassign library functions (the tests check
+# for it).
 
 # %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Setup - locked. Run it first, and keep it the FIRST code cell: the tests rely on it.
@@ -73,8 +80,10 @@ def run_it(fn, world_size=2, timeout=3):
 # `if dist.get_rank() == 0`. Run (a), where the last step is a log step, and (b), where training
 # goes on after a log step: the two runs fail in different ways. Read what each rank was doing
 # (the stacks at the deadline, the exit codes, the message on the rank's stderr) and work out
-# why, then write the fix. The test's feedback explains what happened once your answer is
-# checked.
+# why: which collective of one rank met which of the other? Write your diagnosis in
+# `diagnose_log`, then the fix, `train_and_log`. The visible test checks the fix; the diagnosis is
+# graded when the notebook is graded, and that graded feedback explains what happened and the
+# fixes that work.
 
 # %% nbgrader={"grade": false, "grade_id": "given-log", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the given code. Do not fix it here; write `train_and_log` below.
@@ -108,6 +117,34 @@ print("(a) logging every 4 steps:")
 run_it(lambda rank, world_size: demo_log(rank, world_size, buggy_train_and_log, 4))
 print("\n(b) logging every 2 steps:")
 run_it(lambda rank, world_size: demo_log(rank, world_size, buggy_train_and_log, 2))
+
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-log", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_log() -> dict:
+    """Your diagnosis of the two runs above (the given loop, 2 ranks, 4 steps), a dict with the
+    keys:
+
+    * "hung_rank" (int): in run (a), the rank still running at the deadline;
+    * "hung_in" (str): the torch.distributed function that rank is blocked in, e.g. "barrier";
+    * "aborted_rank" (int): in run (b), the rank gloo aborts;
+    * "paired_with_step" (int): in run (b), the aborted rank's last collective was met by one of
+      the other rank: DDP's gradient all-reduce of which of that rank's steps (1, 2, ...)?
+    """
+    ### BEGIN SOLUTION
+    return {"hung_rank": 0, "hung_in": "all_reduce", "aborted_rank": 0, "paired_with_step": 3}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-log-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_log(): the rank that hangs in run (a) and the function it waits in, the rank gloo aborts in run (b) and the step of the other rank's all-reduce that met its last one.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import collectives_that_hang as hidden
+hidden.check_log_diagnosis(diagnose_log)
+print("passed")
+### END HIDDEN TESTS
 
 
 # %% nbgrader={"grade": false, "grade_id": "train_and_log", "locked": false, "schema_version": 3, "solution": true, "task": false}
@@ -162,7 +199,9 @@ print("passed")
 # `torch.no_grad()`, by calling the DDP wrapper. The model has a BatchNorm layer. Run it: the
 # first epochs go by, and after the last one rank 0 never returns. Where is it waiting, and for
 # what? (Its stack at the deadline names the function; torch/nn/parallel/distributed.py holds
-# it.) Why did the earlier epochs not hang too?
+# it.) Why did the earlier epochs not hang too? Write your diagnosis in `diagnose_evaluate`, then
+# the fix, `fit_and_evaluate`. The visible test checks the fix; the diagnosis is graded when the
+# notebook is graded, and that graded feedback explains what happened and the fixes that work.
 
 # %% nbgrader={"grade": false, "grade_id": "given-evaluate", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the given code. Do not fix it here; write `fit_and_evaluate` below.
@@ -197,6 +236,37 @@ def demo_evaluate(rank, world_size, fit_and_evaluate):
 
 
 run_it(lambda rank, world_size: demo_evaluate(rank, world_size, buggy_fit_and_evaluate))
+
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-evaluate", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_evaluate() -> dict:
+    """Your diagnosis of the run above (the given loop, 2 ranks, 2 epochs of 3 steps), a dict
+    with the keys:
+
+    * "hung_rank" (int): the rank still running at the deadline;
+    * "collective" (str): the kind of collective it waits in: "all_reduce", "broadcast",
+      "all_gather" or "barrier";
+    * "evaluations_completed" (int): how many evaluations that rank completed (appended to its
+      history) before it hung;
+    * "hangs_without_buffers" (bool): whether the same run hangs when the model has no buffers
+      (`checks.make_linear`, a plain `nn.Linear(4, 1)`, in place of `checks.make_bn_model`).
+    """
+    ### BEGIN SOLUTION
+    return {"hung_rank": 0, "collective": "broadcast", "evaluations_completed": 1,
+            "hangs_without_buffers": False}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-evaluate-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_evaluate(): the rank that hangs, the kind of collective it waits in, the evaluations it completed, whether a model without buffers hangs too.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import collectives_that_hang as hidden
+hidden.check_evaluate_diagnosis(diagnose_evaluate)
+print("passed")
+### END HIDDEN TESTS
 
 
 # %% nbgrader={"grade": false, "grade_id": "fit_and_evaluate", "locked": false, "schema_version": 3, "solution": true, "task": false}
@@ -256,8 +326,10 @@ print("passed")
 #
 # The data is a stream (an `IterableDataset`) sharded by rank, and shards are rarely the same
 # length. Each rank loops until its own shard runs out. Run it: one rank returns, the other does
-# not. Which one waits, and in what? Note that the stream does not know its length
-# (`len(shard)` raises).
+# not. Which one waits, in what, and in which step? Note that the stream does not know its
+# length (`len(shard)` raises). Write your diagnosis in `diagnose_shard`, then the fix,
+# `train_on_shard`. The visible test checks the fix; the diagnosis is graded when the notebook is
+# graded, and that graded feedback explains what happened and the fixes that work.
 
 # %% nbgrader={"grade": false, "grade_id": "given-shard", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the given code. Do not fix it here; write `train_on_shard` below.
@@ -283,6 +355,33 @@ def demo_shard(rank, world_size, train_on_shard, lengths=(10, 7)):
 
 
 run_it(lambda rank, world_size: demo_shard(rank, world_size, buggy_train_on_shard))
+
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-shard", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_shard() -> dict:
+    """Your diagnosis of the run above (the given loop, 2 ranks, shards of 10 and 7 samples,
+    batches of 3), a dict with the keys:
+
+    * "hung_rank" (int): the rank still running at the deadline;
+    * "hung_in" (str): the call on the given code's line that rank is blocked in (the frame
+      right above the given function's own in its stack), by its function's name, e.g. "step";
+    * "hung_at_step" (int): the step (1, 2, ...) that rank is in at the deadline.
+    """
+    ### BEGIN SOLUTION
+    return {"hung_rank": 0, "hung_in": "backward", "hung_at_step": 4}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-shard-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_shard(): the rank that hangs, the call it is blocked in, the step it is in.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import collectives_that_hang as hidden
+hidden.check_shard_diagnosis(diagnose_shard)
+print("passed")
+### END HIDDEN TESTS
 
 
 # %% nbgrader={"grade": false, "grade_id": "train_on_shard", "locked": false, "schema_version": 3, "solution": true, "task": false}
@@ -340,8 +439,11 @@ print("passed")
 #
 # Two decisions in this loop are taken by each rank on its own numbers: skip a step whose loss
 # is not finite (a corrupt batch, an empty one), and stop once the loss is low enough. Run it:
-# rank 1 has a NaN at step 2. Which rank is left waiting at the deadline, and in which
-# collective? What did the steps between the bad batch and the hang average?
+# rank 1 has a NaN at step 2. Which rank is left waiting at the deadline, and in which step?
+# What did the steps between the bad batch and the hang average? Write your diagnosis in
+# `diagnose_skip`, then the fix, `train_skipping_bad_batches`. The visible test checks the fix;
+# the diagnosis is graded when the notebook is graded, and that graded feedback explains what
+# happened and the fixes that work.
 
 # %% nbgrader={"grade": false, "grade_id": "given-skip", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the given code. Do not fix it here; write `train_skipping_bad_batches` below.
@@ -373,6 +475,34 @@ def demo_skip(rank, world_size, train_skipping_bad_batches):
 
 
 run_it(lambda rank, world_size: demo_skip(rank, world_size, buggy_train_skipping_bad_batches))
+
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-skip", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_skip() -> dict:
+    """Your diagnosis of the run above (the given loop, 2 ranks, 6 steps, a NaN in rank 1's batch
+    of step 2), a dict with the keys:
+
+    * "hung_rank" (int): the rank still running at the deadline;
+    * "hung_at_step" (int): the step (1, 2, ...: the number of the batch) that rank is in at
+      the deadline;
+    * "mixed_steps" (list of int): that rank's steps, in order, whose gradient all-reduce
+      averaged its gradients with the other rank's gradients of a DIFFERENT step.
+    """
+    ### BEGIN SOLUTION
+    return {"hung_rank": 0, "hung_at_step": 6, "mixed_steps": [2, 3, 4, 5]}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-skip-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_skip(): the rank that hangs, the step it is in, its steps that averaged gradients of two different steps.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import collectives_that_hang as hidden
+hidden.check_skip_diagnosis(diagnose_skip)
+print("passed")
+### END HIDDEN TESTS
 
 
 # %% nbgrader={"grade": false, "grade_id": "train_skipping_bad_batches", "locked": false, "schema_version": 3, "solution": true, "task": false}
@@ -433,8 +563,11 @@ print("passed")
 #
 # Evaluation sharded without padding gives the ranks different numbers of predictions (10
 # samples on 4 ranks: 3, 3, 2, 2), and the last batch of an epoch is often smaller. Run it, and
-# read the exit code and the message on the failing rank's stderr: no Python exception is
-# raised.
+# read the exit code and the message on the failing rank's stderr: that rank raises no Python
+# exception. Which rank fails, and which would with the sizes swapped? Write your diagnosis in
+# `diagnose_gather`, then the fix, `gather_predictions`. The visible test checks the fix; the
+# diagnosis is graded when the notebook is graded, and that graded feedback explains what
+# happened and the fixes that work.
 
 # %% nbgrader={"grade": false, "grade_id": "given-gather", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the given code. Do not fix it here; write `gather_predictions` below.
@@ -452,6 +585,33 @@ def demo_gather(rank, world_size, gather_predictions):
 
 
 run_it(lambda rank, world_size: demo_gather(rank, world_size, buggy_gather_predictions))
+
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-gather", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_gather() -> dict:
+    """Your diagnosis of the run above (the given gather, rank 0 holds 4 labels, rank 1 holds 3),
+    a dict with the keys:
+
+    * "aborted_rank" (int): the rank gloo aborts;
+    * "exitcode" (int): the exit code of that rank's process;
+    * "aborted_rank_swapped" (int): the rank gloo aborts when the sizes are swapped (rank 0
+      holds 3 labels, rank 1 holds 4).
+    """
+    ### BEGIN SOLUTION
+    return {"aborted_rank": 1, "exitcode": -6, "aborted_rank_swapped": 0}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-gather-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_gather(): the rank gloo aborts, its exit code, the rank it aborts with the sizes swapped.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import collectives_that_hang as hidden
+hidden.check_gather_diagnosis(diagnose_gather)
+print("passed")
+### END HIDDEN TESTS
 
 
 # %% nbgrader={"grade": false, "grade_id": "gather_predictions", "locked": false, "schema_version": 3, "solution": true, "task": false}

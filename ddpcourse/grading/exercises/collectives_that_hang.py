@@ -19,8 +19,15 @@ autograder/hidden/collectives_that_hang.py on the grader's side, which simulates
 process (each rank's own batch, gradients averaged as DDP averages them, rank 0's buffers
 broadcast before a forward as DDP does) and is held to :data:`WRITTEN_OUT` by
 tests/test_grading_collectives_that_hang.py. Every launch has a deadline of ``HANG_DEADLINE_S``
-seconds (a right solution needs well under one): a hang fails with every rank's stack and a hint
-at the mismatched collective; a gloo abort fails with the lab's explanation.
+seconds (a right solution needs well under one): a hang fails with every rank's stack, a gloo
+abort with gloo's message, each with a hint at the fix (:data:`HINTS`).
+
+Each lab also asks a diagnosis of the given code's failure (``diagnose_<lab>()``: which rank,
+blocked in what, at which step, which collective met which). Its answer space is small enough to
+try every value against any check that tells right from wrong, so nothing here judges it or knows
+it: :func:`observe_diagnosis` only records the returned dict, and the expected facts, the judge
+and the explanation of each failure (printed in the graded feedback) live in
+autograder/hidden/collectives_that_hang.py. The visible checks print nothing after a pass.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, Remote
                                       cut_text, every_ranks_calls, judge_each_rank, observed,
                                       reported_tensors,
                                       run_student, safe_text, type_name)
+from ddpcourse.grading.exercises.read_the_logs import plain_answer
 from ddpcourse.grading.written_out import sum_and_norm, table_lookup
 from ddpcourse.launcher import wait_until_ready
 
@@ -510,124 +518,30 @@ def judge_gather_against(truth: Truth, observations, world_size, situations) -> 
 
 
 
+# Shown when a fix hangs or gloo aborts it: how to fix, never what the given code did (that is
+# the diagnosis each lab asks, judged and explained only by the hidden checks).
 HINTS = {
-    "log": "a collective that only some ranks call waits for the others forever (or pairs with "
-           "whatever collective they call next); call the all_reduce on every rank, and only "
-           "the logging on rank 0",
-    "evaluate": "DDP's forward broadcasts the buffers (BatchNorm's running statistics) from rank "
-                "0 when the previous forward ran with gradients: a forward of the wrapper on "
-                "rank 0 alone waits in that broadcast. Evaluate on every rank, or on rank 0 "
-                "through model.module (no collective)",
-    "shard": "the rank with the longer shard waits in its backward's all-reduce for ranks that "
-             "have already run out of batches: agree on the number of steps (e.g. an all_reduce "
-             "with ReduceOp.MIN of 'I still have a batch' before each step)",
-    "skip": "a rank that skips a backward, or stops alone, leaves the others waiting in their "
-            "all-reduce; decide together: all_reduce a flag every rank computes, then every "
-            "rank acts on the same result",
+    "log": "every rank must make the same collectives in the same order: call the all_reduce on "
+           "every rank, and only the logging on rank 0",
+    "evaluate": "a forward of the DDP wrapper can make a collective, even in eval mode under "
+                "no_grad: evaluate on every rank through the wrapper, or on rank 0 through "
+                "model.module (no collective)",
+    "shard": "agree on the number of steps as you go (e.g. before each step, an all_reduce with "
+             "ReduceOp.MIN of 'I still have a batch'), so that every rank stops at the same step",
+    "skip": "decide together: all_reduce a flag every rank computes, then every rank acts on the "
+            "same result (skip or not, stop or not)",
     "gather": "all_gather needs tensors of the same shape on every rank: gather the sizes "
               "first, pad to the largest, gather, then cut each rank's padding off",
 }
 
-# What each lab's given code did, and the fixes: the feedback of its visible check once it
-# passes (the lab gives the symptom only; working out the cause is the exercise).
-EXPLANATIONS = {
-    'log': """\
-Only rank 0 writes the log, so its author put the whole logging block, all-reduce included,
-under `if dist.get_rank() == 0`. Rank 0 now makes one collective more than the others, and
-what happens depends on what the others call next:
-
-* **nothing** (the log step was the last step): rank 0 waits in `all_reduce` forever; the
-  other ranks finish. Run (a) below: the deadline shows rank 0 blocked in `all_reduce`.
-* **DDP's gradient all-reduce of their next step**: gloo pairs rank 0's one-float all-reduce
-  with that all-reduce of the gradients (collectives are matched by their order, not by what
-  they hold). The sizes differ, and gloo (torch 2.13) **aborts the process** with SIGABRT, exit
-  code -6: `Received data size doesn't match expected size. Is there a distributed collective
-  mismatch in your code?` (`gloo/transport/tcp/pair.cc`). No Python exception: no `try` can
-  catch it. Run (b).
-* a collective **of the same size**: nothing fails, and each side gets the other's data for its
-  own purpose (lab 2 shows such a silent pairing).
-
-The rule: every rank makes the same collectives in the same order; only what is done with the
-result (printing, writing) may depend on the rank.
-""",
-    'evaluate': """\
-After each epoch rank 0 alone computes a validation loss, in eval mode and under
-`torch.no_grad()`, by calling the DDP wrapper. The model has a BatchNorm layer, and its
-running statistics are **buffers**. With `forward_sync_buffers=True` (the default; torch 2.13's
-name for the deprecated `broadcast_buffers`) DDP's forward broadcasts the buffers from rank 0
-before running the module
-(`DistributedDataParallel._pre_forward` → `_sync_buffers`, torch/nn/parallel/distributed.py),
-whenever `require_forward_param_sync` is set: at the first forward and after every forward
-that ran with gradients enabled outside `no_sync()` (`_post_forward` sets it to
-`torch.is_grad_enabled() and self.require_backward_grad_sync`). It does not look at `train()` /
-`eval()` at all: eval mode does not stop the broadcast. A model
-without buffers would make no collective in a `no_grad` forward, which is why this bug hides
-in some models and not in others.
-
-So rank 0's first evaluation forward makes a broadcast the other ranks do not make. After the
-first epochs it pairs with the broadcast of the others' next training forward (same buffers,
-same sizes), and rank 0, whose `no_grad` forward cleared the flag, skips its own: the job goes
-on, by luck. After the **last** epoch nobody joins: rank 0 waits in `_sync_buffers` forever.
-Run it: the deadline shows rank 0's stack in DDP's `_pre_forward`.
-
-Two fixes: every rank evaluates (through the wrapper; everyone makes the broadcast), or rank 0
-evaluates `ddp_model.module`, the plain module, which makes no collective (in eval mode, so
-BatchNorm uses and keeps its running statistics, then back to train mode).
-""",
-    'shard': """\
-The data is a stream (an `IterableDataset`) sharded by rank, and shards are rarely the same
-length. Each rank loops until its own shard runs out. The rank with the shorter shard finishes;
-the longer one starts one more step, and its `loss.backward()` waits in DDP's gradient
-all-reduce for ranks that will never join. Run it: rank 1 (7 samples, 3 batches of 3) returns,
-rank 0 (10 samples, 4 batches) is blocked in `backward` at the deadline.
-
-The stream does not know its length (`len(shard)` raises), so the ranks must agree as they go:
-before each step, every rank says whether it still has a batch, and an `all_reduce` with
-`ReduceOp.MIN` tells every rank whether **all** of them do. The steps then stop together at
-the shortest shard; the longer shards' extra batches are dropped (as `DistributedSampler` with
-`drop_last=True` drops samples so that every rank has as many).
-
-Why not `torch.distributed.algorithms.Join`? `with Join([ddp_model]):` also ends the hang:
-a rank that ran out "shadows" the others' all-reduces with zeros, and the longer shards are
-trained on to their end. But those extra steps average fewer real gradients, still divided by
-the full world size (`divide_by_initial_world_size=True`, the default of
-`DistributedDataParallel.join`), so the weights are not those of the
-contract below, and the tests reject it: they ask for the dropped-batches training, which is
-the same math as every earlier step. Use Join when every sample must be seen and you accept
-those smaller last steps.
-""",
-    'skip': """\
-Two decisions in this loop are taken by each rank on its own numbers: skip a step whose loss
-is not finite (a corrupt batch gives NaN, an empty one too: the mean of no values), and stop
-once the loss is low enough. A rank that skips makes no backward, so no gradient all-reduce:
-its next step's all-reduce pairs with the others' all-reduce of the skipped step (same sizes:
-no error, but the averaged gradients mix two different steps), and at the end the others wait
-for an all-reduce that never comes. Run it: rank 1 has a NaN at step 2; rank 0 is blocked in
-`backward` at the deadline. A rank that stops alone because its own loss is low leaves the
-others the same way.
-
-Decide together: every rank computes its own flag (my loss is not finite; my loss), one
-`all_reduce` combines them, and every rank acts on the same combined value.
-""",
-    'gather': """\
-Evaluation sharded without padding gives the ranks different numbers of predictions (10
-samples on 4 ranks: 3, 3, 2, 2), and the last batch of an epoch is often smaller. `all_gather`
-needs the same shape on every rank. On gloo (torch 2.13) a mismatch is not a Python error
-you can catch: the rank whose tensor is smaller receives more bytes than it has room for, and
-gloo aborts that process (SIGABRT, exit code -6) with `Received data size doesn't match
-expected size`. Run it. (Output tensors of another size than the input raise an ordinary
-`RuntimeError` instead: `ProcessGroupGloo::allgather: invalid tensor size at index 0`.)
-
-The fix: gather the sizes first (one element per rank), pad every tensor to the largest, gather,
-and cut each rank's padding off. (`dist.all_gather_object` does the same for any picklable
-object, through pickling: fine for small results, slow for large tensors.)
-""",
-}
+DIAGNOSIS_TIMEOUT_S = 30.0  # one rank returning a dict; only a hang gets near it
 
 
-def explain(lab: str) -> None:
-    """Print what the lab's given code did and why the fix works (after its check passed)."""
-    print(f"Why the given code failed, and the fixes:\n\n{EXPLANATIONS[lab].rstrip()}\n")
+def observe_diagnosis(rank, world_size, diagnose):
+    """Call the student's ``diagnose_*()`` and keep what it returns as plain data (ints, bools,
+    strings, a short list of them), as read_the_logs keeps its answers. Nothing here knows the
+    right diagnosis: autograder/hidden/collectives_that_hang.py judges the observation."""
+    return {"answer": plain_answer(diagnose())}
 
 
 # Situations travel to the ranks as plain tuples.
@@ -756,28 +670,23 @@ GATHER = Case(observe_gather, judge_gather)
 def check_train_and_log(fn, timeout: float = HANG_DEADLINE_S) -> None:
     """2 ranks: rank 0 logs the global mean loss every few steps; the ranks stay in step."""
     _run(LOG, 2, fn, VISIBLE_LOG, HINTS["log"], timeout, False)
-    explain("log")
 
 
 def check_fit_and_evaluate(fn, timeout: float = HANG_DEADLINE_S) -> None:
     """2 ranks: rank 0 evaluates after every epoch, the last one included."""
     _run(EVALUATE, 2, fn, VISIBLE_EVALUATE, HINTS["evaluate"], timeout, False)
-    explain("evaluate")
 
 
 def check_train_on_shard(fn, timeout: float = HANG_DEADLINE_S) -> None:
     """2 ranks, shards of 10 and 7 samples in batches of 3: 3 steps on every rank."""
     _run(SHARD, 2, fn, VISIBLE_SHARD, HINTS["shard"], timeout, False)
-    explain("shard")
 
 
 def check_train_skipping_bad_batches(fn, timeout: float = HANG_DEADLINE_S) -> None:
     """2 ranks: a NaN batch on rank 1 at step 2; a run that stops early."""
     _run(SKIP, 2, fn, VISIBLE_SKIP, HINTS["skip"], timeout, False)
-    explain("skip")
 
 
 def check_gather_predictions(fn, timeout: float = HANG_DEADLINE_S) -> None:
     """2 ranks holding 4 and 3 labels, then 5 and 1 rows of scores."""
     _run(GATHER, 2, fn, VISIBLE_GATHER, HINTS["gather"], timeout, False)
-    explain("gather")
