@@ -2,8 +2,11 @@
 notebook's locked cells still fails the way its lab says (so a PyTorch that changes a failure
 turns this red), the tempting fixes fail with a message naming the mistake, other right fixes
 pass, the solution passes through the trusted grader, and the judges read the ranks' reports as
-untrusted data. The exercise: solutions/09_debugging/replicas_that_disagree.nb.py; the solution
-passing every visible and hidden check is tests/test_exercises.py's.
+untrusted data. The labs' diagnoses: every expected fact of the hidden module is what a run of
+the given code shows, a wrong or missing field fails naming that field, the explanation is
+printed either way, and the visible module holds neither the facts nor the explanations. The
+exercise: solutions/09_debugging/replicas_that_disagree.nb.py; the solution passing every visible
+and hidden check is tests/test_exercises.py's.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import os
 import sys
 import tempfile
 from datetime import timedelta
+from pathlib import Path
+from typing import ClassVar
 
 import cloudpickle
 import pytest
@@ -37,10 +42,11 @@ SOURCE = SOLUTIONS / "09_debugging" / "replicas_that_disagree.ipynb"
 VISIBLE = checks.VISIBLE_TRAINING
 
 
-def from_the_notebook(cell_id: str, name: str):
-    """A function as the source notebook's cell ``cell_id`` defines it."""
+def from_the_notebook(cell_id: str, name: str, **names):
+    """A function as the source notebook's cell ``cell_id`` defines it; ``names`` replace what
+    the setup cell would bind (a DDP that counts what it does)."""
     namespace = {"os": os, "torch": torch, "dist": dist, "nn": nn, "F": F, "DDP": DDP,
-                 "timedelta": timedelta, "TemperedLoss": checks.TemperedLoss}
+                 "timedelta": timedelta, "TemperedLoss": checks.TemperedLoss, **names}
     exec(compile(solution_code(SOURCE, cell_id), "<student notebook>", "exec"), namespace)
     return namespace[name]
 
@@ -432,14 +438,20 @@ def _close_values(a, b) -> bool:
     return a == b
 
 
-def test_through_the_trusted_grader_the_solution_passes(host):
+def test_through_the_trusted_grader_the_solution_passes(host, capsys):
     """As a class is graded: the ranks run in the observation host (processes with no group
-    share their store files there too), the verdict is computed here."""
+    share their store files there too), the verdict is computed here. A visible check that
+    passes prints nothing: the explanations are the graded diagnoses' feedback."""
     checks.check_join_the_job(submitted(from_the_notebook("join-the-job", "join_the_job"), host))
     checks.check_train_with_temperature(
         submitted(from_the_notebook("train-with-temperature", "train_with_temperature"), host))
     checks.check_train_and_evaluate(
         submitted(from_the_notebook("train-and-evaluate", "train_and_evaluate"), host))
+    assert "What the given code did" not in capsys.readouterr().out
+    for lab in LABS:
+        check = getattr(hidden, f"check_{lab}_diagnosis")
+        check(submitted(from_the_notebook(f"diagnose-{lab}", f"diagnose_{lab}"), host))
+        assert "What the given code did" in capsys.readouterr().out, lab
 
 
 def test_the_judges_read_reports_as_untrusted_data():
@@ -479,3 +491,229 @@ def test_the_judges_read_reports_as_untrusted_data():
         with pytest.raises(CheckFailed) as failed:
             checks.judge_join([join[0], altered(join[1], path, value)], 2, [("torchrun", 1)], "t")
         assert str(failed.value).startswith("rank 1:") and len(str(failed.value)) < 5000
+
+
+# --- the diagnoses: graded by the hidden checks only -----------------------------------------
+
+LABS = ("join", "temperature", "batchnorm")
+
+
+def solution_diagnosis(lab: str) -> dict:
+    return from_the_notebook(f"diagnose-{lab}", f"diagnose_{lab}")()
+
+
+def test_the_solutions_diagnoses_are_the_graders():
+    for lab in LABS:
+        hidden.judge_diagnosis(lab, solution_diagnosis(lab))
+
+
+# A wrong value of each field, of the right type (the message names the field), and answers a
+# student may write in another form that must count as right.
+WRONG = {"claimed_rank": 1, "world_size": 1, "unclaimed_rank": 0, "raised_in": "barrier",
+         "parameter": "0.weight", "first_step": 2, "averaged_tensors": 5,
+         "differing": ["1.running_mean", "1.running_var", "1.num_batches_tracked"],
+         "default_syncs": 4}
+OTHER_FORMS = {"join": {"raised_in": "dist.init_process_group()"},
+               "temperature": {"parameter": "criterion.log_temperature"},
+               "batchnorm": {"differing": ["running_var", "1.running_mean"]}}
+
+
+@pytest.mark.parametrize("lab, field", [(lab, field) for lab in LABS
+                                        for field in hidden.DIAGNOSES[lab]])
+def test_a_wrong_or_missing_field_fails_naming_that_field_only(lab, field):
+    right = solution_diagnosis(lab)
+    others = [name for name in right if name != field]
+    for answer, says in [({**right, field: WRONG[field]}, "is not what the given code does"),
+                         ({name: right[name] for name in others}, "is missing"),
+                         ({**right, field: 1.5}, "should be")]:
+        with pytest.raises(CheckFailed) as failed:
+            hidden.judge_diagnosis(lab, answer)
+        message = str(failed.value)
+        assert f"'{field}'" in message and says in message, message
+        assert not any(f"'{name}'" in message for name in others), message
+
+
+def test_other_forms_of_a_right_answer_pass_and_a_bool_is_no_int():
+    for lab, forms in OTHER_FORMS.items():
+        hidden.judge_diagnosis(lab, {**solution_diagnosis(lab), **forms})
+    with pytest.raises(CheckFailed, match="'first_step' should be an int"):
+        hidden.judge_diagnosis("temperature", {**solution_diagnosis("temperature"),
+                                               "first_step": True})
+
+
+def test_a_wrong_diagnosis_still_gets_the_explanation(capsys):
+    """Through a rank, as graded: the verdict names the field, and the lab's explanation is
+    printed whether the diagnosis was right or not; a function that returns no dict fails too."""
+    def off_by_a_step():
+        return {"parameter": "log_temperature", "first_step": 2, "averaged_tensors": 4}
+
+    with pytest.raises(CheckFailed, match="'first_step' = 2 is not what the given code does"):
+        hidden.check_temperature_diagnosis(off_by_a_step)
+    assert hidden.EXPLANATIONS["temperature"].rstrip() in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="must return a dict .* it returned int"):
+        hidden.check_join_diagnosis(lambda: 0)
+    assert "What the given code did" in capsys.readouterr().out
+
+
+def test_the_visible_module_holds_no_explanation_and_no_diagnosis():
+    """A student can import the visible module: it must not hand over what the diagnoses ask."""
+    for name in ("EXPLANATIONS", "explain", "DIAGNOSES", "DIAGNOSIS_KINDS", "judge_diagnosis",
+                 "check_join_diagnosis", "check_temperature_diagnosis",
+                 "check_batchnorm_diagnosis"):
+        assert not hasattr(checks, name), name
+    for name, value in vars(checks).items():
+        if isinstance(value, dict):
+            for answers in hidden.DIAGNOSES.values():
+                assert not answers.keys() <= value.keys(), name
+    # No field's name as a key either ("world_size" is also a key of the join's reports).
+    source = Path(checks.__file__).read_text()
+    for answers in hidden.DIAGNOSES.values():
+        for field in answers.keys() - {"world_size"}:
+            assert f'"{field}"' not in source and f"'{field}'" not in source, field
+
+
+def _same(lab: str, observed_facts: dict) -> None:
+    """The hidden module's expected diagnosis of ``lab`` is what a run of the given code showed."""
+    expected = hidden.DIAGNOSES[lab]
+    assert observed_facts.keys() == expected.keys()
+    for field, value in observed_facts.items():
+        kind = hidden.DIAGNOSIS_KINDS[field]
+        assert (hidden.normalize_diagnosis(kind, value)
+                == hidden.normalize_diagnosis(kind, expected[field])), (lab, field, value)
+
+
+def _join_as_run(rank, world_size, given, path):
+    """The "Run it" cell's processes (torchrun's variables, no SLURM_*): what each passes to
+    init_process_group, and the torch.distributed function its exception came out of (the
+    outermost frame in distributed_c10d.py)."""
+    import traceback
+    for name in checks.TORCHRUN + checks.SLURM:
+        os.environ.pop(name, None)
+    os.environ.update(checks.launcher_env("torchrun", rank, world_size, 1))
+    passed, real = {}, dist.init_process_group
+
+    def spy(*args, **kwargs):
+        passed.update(rank=kwargs["rank"], world_size=kwargs["world_size"])
+        return real(*args, **kwargs)
+
+    dist.init_process_group = spy
+    try:
+        given(f"file://{path}", timedelta(seconds=3))
+    except Exception as exc:  # noqa: BLE001 - the failure is the finding
+        frames = [frame.name for frame in traceback.extract_tb(exc.__traceback__)
+                  if frame.filename.endswith("distributed_c10d.py")]
+        return {**passed, "raised_in": frames[0] if frames else None}
+    finally:
+        dist.init_process_group = real
+    return {**passed, "raised_in": None}
+
+
+def test_the_join_diagnosis_is_what_the_given_code_does(tmp_path):
+    given = from_the_notebook("given-join", "given_join_the_job")
+    runs = run_ranks(_join_as_run, 2, given, str(tmp_path / "store"), init_process_group=False,
+                     timeout=60, relay_output=False)
+    claimed = {run["rank"] for run in runs}
+    [world_size] = {run["world_size"] for run in runs}
+    [raised_in] = {run["raised_in"] for run in runs}
+    [rank] = claimed  # every process claims the same rank
+    [unclaimed] = set(range(world_size)) - claimed
+    _same("join", {"claimed_rank": rank, "world_size": world_size, "unclaimed_rank": unclaimed,
+                   "raised_in": raised_in})
+
+
+class Snapshots:
+    """The batches of a given loop, which record ``snapshot()`` before handing out each batch and
+    once after the last: entry k is the state after k steps."""
+
+    def __init__(self, batches, snapshot):
+        self.batches, self.snapshot, self.states = batches, snapshot, []
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.states.append(self.snapshot())
+            yield batch
+        self.states.append(self.snapshot())
+
+
+class GradientsAveraged(DDP):
+    """DDP whose all-reduces (the default hook's) record which parameters they carried."""
+
+    made: ClassVar[list] = []
+
+    def __init__(self, *args, **kwargs):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        super().__init__(*args, **kwargs)
+        self.averaged: set[int] = set()
+        GradientsAveraged.made.append(self)
+
+        def record(state, bucket):
+            self.averaged.update(id(p) for p in bucket.parameters())
+            return default_hooks.allreduce_hook(None, bucket)
+
+        self.register_comm_hook(None, record)
+
+
+class BufferSyncsCounted(DDP):
+    """DDP with its default buffer sync (the given code's ``broadcast_buffers=False`` dropped),
+    counting the forwards that start by broadcasting rank 0's buffers."""
+
+    syncs = 0
+
+    def __init__(self, module, broadcast_buffers=True):
+        super().__init__(module)
+
+    def _sync_buffers(self):
+        BufferSyncsCounted.syncs += 1
+        return super()._sync_buffers()
+
+
+def _temperature_as_run(rank, world_size, given):
+    s = checks.Situation(*VISIBLE[0])
+    model, criterion = checks.make_model(checks.model_seed(s, rank)), checks.make_criterion(s, rank)
+    named = {**dict(model.named_parameters()), **dict(criterion.named_parameters())}
+    batches = Snapshots(checks.make_batches(s, rank),
+                        lambda: {name: p.detach().clone() for name, p in named.items()})
+    given(model, criterion, batches, s.lr)
+    [wrapper] = GradientsAveraged.made
+    return {"states": batches.states,
+            "averaged": sorted(name for name, p in named.items() if id(p) in wrapper.averaged)}
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    return sorted(name for name in a if not torch.equal(a[name], b[name]))
+
+
+def _first_step(runs) -> int:
+    return next(step for step, states in enumerate(zip(*(run["states"] for run in runs)))
+                if _differing(*states))
+
+
+def test_the_temperature_diagnosis_is_what_the_given_code_does():
+    given = from_the_notebook("given-temperature", "given_train_with_temperature",
+                              DDP=GradientsAveraged)
+    runs = run_ranks(_temperature_as_run, 2, given, timeout=60, relay_output=False)
+    [parameter] = _differing(runs[0]["states"][-1], runs[1]["states"][-1])
+    [averaged] = {len(run["averaged"]) for run in runs}
+    _same("temperature", {"parameter": parameter, "first_step": _first_step(runs),
+                          "averaged_tensors": averaged})
+    assert len(runs[0]["states"][0]) == 5  # the optimizer steps 5 tensors, DDP averages 4
+
+
+def _batchnorm_as_run(rank, world_size, given, counted):
+    s = checks.Situation(*VISIBLE[0])
+    model = checks.make_batchnorm_model(checks.model_seed(s, rank))
+    batches = Snapshots(checks.make_batches(s, rank), lambda: checks._state(model))
+    given(model, batches, s.lr, checks.eval_inputs(s))
+    counted(checks.make_batchnorm_model(checks.model_seed(s, rank)), checks.make_batches(s, rank),
+            s.lr, checks.eval_inputs(s))
+    return {"states": batches.states, "syncs": BufferSyncsCounted.syncs}
+
+
+def test_the_batchnorm_diagnosis_is_what_the_given_code_does():
+    given = from_the_notebook("given-batchnorm", "given_train_and_evaluate")
+    counted = from_the_notebook("given-batchnorm", "given_train_and_evaluate",
+                                DDP=BufferSyncsCounted)
+    runs = run_ranks(_batchnorm_as_run, 2, given, counted, timeout=60, relay_output=False)
+    [syncs] = {run["syncs"] for run in runs}
+    _same("batchnorm", {"differing": _differing(runs[0]["states"][-1], runs[1]["states"][-1]),
+                        "first_step": _first_step(runs), "default_syncs": syncs})

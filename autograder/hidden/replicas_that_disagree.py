@@ -9,16 +9,26 @@ judged here with the truths computed here, which the visible module must not hol
 (GRADING_DESIGN.md): ONE process's training of rank 0's model on the global batches, and every
 known mistake replayed in one process.
 
+Each lab's diagnosis (``diagnose_join``, ``diagnose_temperature``, ``diagnose_batchnorm``: facts
+of what the lab's given code does, asked before the fix) is judged here only, against
+:data:`DIAGNOSES`: the answer space of each fact is small, so no check a student can run may tell
+a right one from a wrong one. Its feedback, right or wrong, is the lab's explanation
+(:data:`EXPLANATIONS`). tests/test_grading_replicas_that_disagree.py derives every value of
+:data:`DIAGNOSES` from runs of the given code.
+
 ``python -m autograder.hidden.replicas_that_disagree`` prints the visible cases' truths as the
 visible module writes them out (``WRITTEN_OUT``)."""
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddpcourse.grading.checks import Case, run_student
+from ddpcourse.grading.checks import Case, CheckFailed, cut_text, observed, run_student
 from ddpcourse.grading.exercises import replicas_that_disagree as visible
 from ddpcourse.grading.exercises.replicas_that_disagree import (
     BATCHNORM_MISTAKES, TEMPERATURE_MISTAKES, Situation, _state, eval_inputs,
@@ -179,6 +189,198 @@ def check_replicas_that_disagree(join_the_job, train_with_temperature,
         run_student(TEMPERATURE, world_size, train_with_temperature, situations,
                     hide_internals=True)
         run_student(BATCHNORM, world_size, train_and_evaluate, situations, hide_internals=True)
+
+
+# --- the diagnoses ------------------------------------------------------------------------------
+
+# What each lab's given code does in its "Run it" setting (2 processes; VISIBLE_TRAINING's
+# situation for labs 2 and 3), as each lab's diagnose_<lab>() docstring asks it. Every value is
+# derived from a run of the given code in tests/test_grading_replicas_that_disagree.py.
+DIAGNOSES: dict[str, dict[str, Any]] = {
+    "join": {"claimed_rank": 0, "world_size": 2, "unclaimed_rank": 1,
+             "raised_in": "init_process_group"},
+    "temperature": {"parameter": "log_temperature", "first_step": 1, "averaged_tensors": 4},
+    "batchnorm": {"differing": ["running_mean", "running_var"], "first_step": 1,
+                  "default_syncs": 5},
+}
+
+# How each field is compared: "int" (an int, not a bool); "name" (a str: a torch.distributed
+# function or a parameter, its prefix and case ignored: "dist.init_process_group",
+# "criterion.log_temperature"); "names" (a list of such names, in any order).
+DIAGNOSIS_KINDS = {
+    "claimed_rank": "int", "world_size": "int", "unclaimed_rank": "int", "raised_in": "name",
+    "parameter": "name", "first_step": "int", "averaged_tensors": "int", "differing": "names",
+    "default_syncs": "int",
+}
+_EXPECTED_TYPE = {"int": "an int", "name": "a str", "names": "a list of str"}
+_PREFIX = re.compile(r"^(torch\.distributed\.|dist\.)")
+
+
+def normalize_diagnosis(kind: str, value: Any) -> Any:
+    """The comparable form of one field's value, or None when it has the wrong type."""
+    if kind == "int":
+        return value if type(value) is int else None
+    if kind == "names":
+        if type(value) is not list or not all(type(item) is str for item in value):
+            return None
+        return sorted({normalize_diagnosis("name", item) for item in value})
+    if type(value) is not str:
+        return None
+    return _PREFIX.sub("", value.strip()).rsplit(".", 1)[-1].removesuffix("()").lower()
+
+
+def judge_diagnosis(lab: str, answer: Any, returned: str = "") -> None:
+    """Name every field of ``answer`` (the rank's report: untrusted data) that is missing, of the
+    wrong type or not what the given code does; the expected values stay out of the message."""
+    expected = DIAGNOSES[lab]
+    if type(answer) is not dict:
+        raise CheckFailed(f"diagnose_{lab}() must return a dict with the keys "
+                          f"{', '.join(expected)}; it returned {cut_text(returned, 80)}")
+    wrong = []
+    for field, value in expected.items():
+        kind = DIAGNOSIS_KINDS[field]
+        if field not in answer:
+            wrong.append(f"{field!r} is missing")
+            continue
+        given = normalize_diagnosis(kind, answer[field])
+        if given is None:
+            wrong.append(f"{field!r} should be {_EXPECTED_TYPE[kind]}, not "
+                         f"{cut_text(repr(answer[field]), 60)}")
+        elif given != normalize_diagnosis(kind, value):
+            wrong.append(f"{field!r} = {cut_text(repr(answer[field]), 60)} is not what the "
+                         "given code does")
+    if wrong:
+        raise CheckFailed(f"diagnose_{lab}():\n" + "\n".join(f"* {line}" for line in wrong))
+
+
+def judge_diagnosis_report(observations, world_size, lab):
+    [observation] = observations
+    answer = observed(observation, "answer", (dict, type(None)))
+    judge_diagnosis(lab, answer, observed(observation, "returned", str))
+
+
+DIAGNOSIS = Case(visible.observe_diagnosis, judge_diagnosis_report)
+
+# What each lab's given code did, and the fixes that work: the feedback of the lab's graded
+# diagnosis, right or wrong (the lab gives the symptom only; working out the cause is the task).
+EXPLANATIONS = {
+    'join': """\
+The job's first function was written for SLURM, where `srun` starts one task per process and
+sets `SLURM_PROCID` (the global rank), `SLURM_LOCALID` (the rank on its machine) and
+`SLURM_NTASKS`. When the job moved to `torchrun`, someone added `WORLD_SIZE`, and the defaults
+"make it work when run by hand". But torchrun sets `RANK`, `LOCAL_RANK` and `WORLD_SIZE`, and
+no `SLURM_*` at all: `os.environ.get("SLURM_PROCID", 0)` gives 0 in **every** process, while
+the world size is right (2, from `WORLD_SIZE`).
+
+Two processes that both claim rank 0 of 2 cannot form a group: no process claims rank 1, each
+writes its address as rank 0's and waits for rank 1's, which nobody writes. With the default
+timeout (30 minutes for gloo) the job just hangs; with a short one `init_process_group` raises
+in every process (in `ProcessGroupGloo`'s constructor) when the store gives up: the `file://`
+store of the lab says `RuntimeError: Wait timeout`; under `torchrun` (its agent's TCP store,
+`env://`) every process says `DistStoreError: wait timeout after 1000ms, keys:
+/default_pg/0//cpu//0/1` for a one-second timeout: the key of rank 1, who never came. Worse
+is when the world size is read the same way (`SLURM_NTASKS` with a default of 1): then every
+process forms a group **of its own**, as rank 0 of 1, nothing fails, every all-reduce returns
+the process's own value, and N processes train N separate models, all logging and saving as
+rank 0.
+
+The fix reads the identity from the launcher that is there: torchrun's `RANK`, `LOCAL_RANK`
+and `WORLD_SIZE` when `RANK` is set (also when srun started torchrun: then `SLURM_PROCID`
+numbers the machines' tasks, not the processes), else srun's `SLURM_PROCID`, `SLURM_LOCALID`
+and `SLURM_NTASKS`, and raises before joining anything when neither is set. Reading
+`SLURM_PROCID` first is wrong under torchrun started by srun, and a default of 0 for the rank
+is a guess that turns a hang into a silent job of its own.
+""",
+    'temperature': """\
+The model is wrapped in DDP, and the loss is `TemperedLoss` (from the setup cell): the
+cross-entropy of `logits / exp(log_temperature)`, where `log_temperature` is an
+`nn.Parameter`. It is created after wrapping and handed to the optimizer, so it learns; but
+DDP only averages the gradients of the parameters of the module it wraps: its reducer
+all-reduces 4 of the 5 tensors the optimizer steps (the model's two weights and two biases),
+never `log_temperature`. Each rank's temperature follows its own rank's data, and the ranks
+hold different temperatures from the first step on (they start equal, at 0). The model's own
+weights still agree (DDP averages their gradients), so a check of the wrapped model alone sees
+nothing wrong: compare everything that learns.
+
+The fix puts everything that learns inside one DDP: a module that owns the model and the
+criterion (its forward returns the loss), wrapped in DDP, whose parameters the optimizer
+steps; wrapping the criterion in a DDP of its own works too. Both also broadcast rank 0's
+initial temperature when the wrapper is built. Averaging the temperature's gradient by hand
+after each backward only works while every rank's temperature starts equal.
+
+Two tempting fixes do not work: seeding before creating the temperature (it already starts
+equal: the problem is its gradients, not its start), and averaging the parameters once at the
+end (the ranks then agree, but every step before used a temperature of its own, so they agree
+on the wrong weights).
+""",
+    'batchnorm': """\
+BatchNorm keeps buffers, not parameters: `running_mean`, `running_var`, `num_batches_tracked`.
+Training forwards update them from each rank's own batch, and evaluation normalises with them.
+By default DDP copies rank 0's buffers to every rank at the start of a forward through the
+wrapper whenever the previous forward ran with gradients on and outside `no_sync()` (and at the
+first forward after wrapping): `DistributedDataParallel._pre_forward` calls `_sync_buffers`,
+which broadcasts from rank 0, when `will_sync_module_buffers()` holds, and `_post_forward`
+re-arms it only after such a forward (chapter 07 counts the broadcasts). In the given function
+that would be 5 broadcasts: before each of the 4 training forwards and before the evaluation's.
+The switch is `forward_sync_buffers` in torch 2.13; its older name `broadcast_buffers`, the one
+in the given code, is deprecated there and warns (the `FutureWarning` the cell prints;
+`broadcast_buffers=False` also skips the sync of the buffers when the wrapper is built,
+`forward_sync_buffers=False` does not). Turned off, the ranks' `running_mean` and
+`running_var` differ from the first step on, while the parameters (their gradients are
+averaged) and `num_batches_tracked` (a count of training forwards) agree, and the same weights
+evaluate differently on every rank.
+
+The fix keeps DDP's default (no `broadcast_buffers=False`) and evaluates through the wrapper;
+broadcasting rank 0's buffers by hand before the evaluation gives the same numbers too, since a
+training forward normalises with its own batch's statistics and never reads the running ones.
+
+Two things that are easy to get wrong:
+
+* Even with the sync on, the buffers are broadcast **before** a forward, so after the last
+  training step every rank still holds the statistics its own last batch updated. They agree
+  again only after the next forward through the wrapper (the first evaluation forward through
+  `ddp_model`, which broadcasts rank 0's: `will_sync_module_buffers` is true after a forward
+  with gradients): evaluating `ddp_model.module` (or the plain model) skips that, and the ranks
+  disagree. Averaging the ranks' statistics at the end makes them agree, on other numbers than
+  DDP's.
+* `nn.SyncBatchNorm` (batch statistics over all ranks) does not run here: on the CPU, DDP's
+  constructor refuses it with `ValueError: SyncBatchNorm layers only work with GPU modules`,
+  and its forward in training raises `SyncBatchNorm expected input tensor to be on GPU or XPU
+  or ...` (torch/nn/modules/batchnorm.py, `SyncBatchNorm.forward`). It is a fix on GPUs with
+  NCCL, and it changes the training itself (normalisation with the global batch's
+  statistics); this lab keeps DDP's default rules.
+""",
+}
+
+
+def explain(lab: str) -> None:
+    """Print what the lab's given code did and the fixes that work."""
+    print(f"What the given code did:\n\n{EXPLANATIONS[lab].rstrip()}\n")
+
+
+def check_diagnosis(lab: str, diagnose) -> None:
+    """Judge ``diagnose_<lab>`` (called in a process of its own, as every submitted function),
+    then print the lab's explanation, whether the diagnosis was right or not."""
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        run_student(DIAGNOSIS, 1, diagnose, lab, init_process_group=False, hide_internals=True)
+    finally:
+        explain(lab)
+
+
+def check_join_diagnosis(diagnose_join) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    check_diagnosis("join", diagnose_join)
+
+
+def check_temperature_diagnosis(diagnose_temperature) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    check_diagnosis("temperature", diagnose_temperature)
+
+
+def check_batchnorm_diagnosis(diagnose_batchnorm) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    check_diagnosis("batchnorm", diagnose_batchnorm)
 
 
 # --- the visible cases' truths, written out -----------------------------------------------------

@@ -19,30 +19,36 @@
 # every rank after every step. Three real jobs below break that promise without a word of
 # warning in the training loop:
 #
-# 1. **Who am I?** The rank is read from `SLURM_PROCID` with a default of 0, and the job is
-#    started with `torchrun`: every process believes it is rank 0.
-# 2. **A learnable temperature outside the wrapper.** The loss has a parameter of its own; DDP
-#    never sees it, so its gradients are never averaged and each rank's copy drifts away.
-# 3. **`broadcast_buffers=False` with BatchNorm.** Every rank keeps its own running statistics,
-#    so the same model evaluates differently on every rank.
+# 1. **Who am I?** A job written for SLURM is started with `torchrun`: its group never forms.
+# 2. **A learnable temperature.** The loss has a parameter of its own, and after training the
+#    ranks no longer hold the same model.
+# 3. **`broadcast_buffers=False` with BatchNorm.** The same weights evaluate differently on
+#    every rank.
 #
 # For each lab: read the locked given code (as you would meet it in a job), run it and watch the
-# symptom, then write the fixed function. Its docstring is the contract.
+# symptom, **diagnose** it (`diagnose_<lab>()` returns the facts its docstring asks for: what
+# the given code did, which you read off the output or reason out), then write the fixed
+# function. Each docstring is the contract.
 #
-# **How it is tested.** Every check runs your function in real gloo process groups (2 processes
-# here; 1, 3 and 4 in the hidden tests), with a deadline. Lab 1 starts the processes with no
-# process group and the variables of a launcher: torchrun's, srun's, torchrun started by srun,
-# or none. Labs 2 and 3 train for a few steps, every rank starting from weights and data of its
-# own, and the check requires **everything that learns (and every buffer) to be identical on all
-# ranks** and equal to a reference the check computes where none of your code runs: one process
-# on the global batch (lab 2), the ranks replayed with DDP's rules (lab 3).
+# **How it is tested.** Every check of a fix runs your function in real gloo process groups (2
+# processes here; 1, 3 and 4 in the hidden tests), with a deadline. Lab 1 starts the processes with
+# no process group and the variables of a launcher: torchrun's, srun's, torchrun started by srun, or
+# none. Labs 2 and 3 train for a few steps, every rank starting from weights and data of its own,
+# and the check requires **everything that learns (and every buffer) to be identical on all ranks**
+# and equal to a reference the check computes where none of your code runs: one process on the
+# global batch (lab 2), the ranks replayed with DDP's rules (lab 3).
+#
+# Each diagnosis (1 point per lab) is graded only when the notebook is graded: no check you can
+# run tells a right diagnosis from a wrong one. Its graded feedback, right or wrong, names every
+# wrong or missing fact and explains what the given code did and the fixes that work. The
+# visible test of a fix says only whether it passed.
 #
 # **Self-check** from the repository root:
-# `pytest exercises/09_debugging/replicas_that_disagree.ipynb`. Hidden tests (3 and 4 processes,
-# two machines' worth of local ranks, temperatures that start different on every rank, more
-# steps, other seeds, and the tempting fixes that only hide the symptom) run when the notebook is
-# graded. Keep the names and signatures exactly as given, and do not reassign library functions
-# (the tests check for it).
+# `pytest exercises/09_debugging/replicas_that_disagree.ipynb` (the fixes). Hidden tests (3
+# and 4 processes, two machines' worth of local ranks, temperatures that start different on
+# every rank, more steps, other seeds, and the tempting fixes that only hide the symptom) run
+# when the notebook is graded. Keep the names and signatures exactly as given, and do not
+# reassign library functions (the tests check for it).
 
 # %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Setup - locked. Run it first, and keep it the FIRST code cell: the tests rely on it.
@@ -73,8 +79,8 @@ setup_notebook("replicas_that_disagree")
 # `SLURM_NTASKS`. When the job moved to `torchrun`, someone added `WORLD_SIZE`, and the defaults
 # "make it work when run by hand". Run it as torchrun would start it: the group never forms, and
 # with the short timeout below every process fails. What does each process believe it is, and
-# which key is the store waiting for? (And what would happen if the world size were read the
-# same way?)
+# which rank's address is the store waiting for? (And what would happen if the world size were
+# read the same way?) Diagnose it in `diagnose_join`, then fix it in `join_the_job`.
 
 # %% nbgrader={"grade": false, "grade_id": "given-join", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the job's setup as it was found. Do not fix it here; write `join_the_job` below.
@@ -106,6 +112,47 @@ store = os.path.join(tempfile.mkdtemp(), "store")
 for line in run_ranks(try_join, 2, given_join_the_job, store, init_process_group=False, timeout=30):
     print(line)
 
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task-join-diagnosis", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ### `diagnose_join() -> dict` (1 point)
+#
+# Before the fix, say what went wrong: what the given function does in the cell above, as the
+# docstring's keys. Read the output, the given code and the variables torchrun sets; reason out
+# what is not printed.
+#
+# **Graded when the notebook is graded, not before**: no check you can run tells a right
+# diagnosis from a wrong one. The graded feedback then explains what the given code did and the
+# fixes that work.
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-join", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_join() -> dict:
+    """What `given_join_the_job` does in the "Run it" cell above (two processes started as
+    torchrun starts them: `RANK`, `LOCAL_RANK`, `WORLD_SIZE` set, no `SLURM_*`), as a dict with
+    the keys:
+
+    * "claimed_rank" (int): the rank every process passes to `init_process_group`;
+    * "world_size" (int): the world size every process passes to it;
+    * "unclaimed_rank" (int): the rank of the group that no process claims (the one whose
+      address the store waits for);
+    * "raised_in" (str): the torch.distributed function, called by the given code, that raises,
+      e.g. "barrier".
+    """
+    ### BEGIN SOLUTION
+    return {"claimed_rank": 0, "world_size": 2, "unclaimed_rank": 1,
+            "raised_in": "init_process_group"}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-join-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_join's four facts are what the given code does under torchrun.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import replicas_that_disagree as hidden
+hidden.check_join_diagnosis(diagnose_join)
+print("passed")
+### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-join", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ### `join_the_job(init_method, timeout) -> (rank, local_rank, world_size)` (2 points)
@@ -175,7 +222,8 @@ print("passed")
 # The model is wrapped in DDP, and the loss is `TemperedLoss` (from the setup cell): the
 # cross-entropy of `logits / exp(log_temperature)`, where `log_temperature` is an
 # `nn.Parameter`, created after wrapping and handed to the optimizer. Run it and compare what the
-# ranks hold after training: the wrapped model, and everything else that learns.
+# ranks hold after training: the wrapped model, and everything else that learns. Diagnose it in
+# `diagnose_temperature`, then fix it in `train_with_temperature`.
 
 # %% nbgrader={"grade": false, "grade_id": "given-temperature", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the loop as it was found. Do not fix it here; write `train_with_temperature` below.
@@ -208,6 +256,44 @@ def show_temperature(results):
 show_temperature(run_ranks(watch_temperature, 2, given_train_with_temperature, timeout=60))
 
 
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task-temperature-diagnosis", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ### `diagnose_temperature() -> dict` (1 point)
+#
+# Before the fix, say what went wrong, as the docstring's keys. The output above shows the end
+# of training only: reason out (or measure, in a cell of your own) when and why the ranks part.
+#
+# **Graded when the notebook is graded, not before**: no check you can run tells a right
+# diagnosis from a wrong one. The graded feedback then explains what the given code did and the
+# fixes that work.
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-temperature", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_temperature() -> dict:
+    """What `given_train_with_temperature` does in the "Run it" cell above (2 ranks, 4 steps, each
+    rank's own data, `log_temperature` starting at 0 on both), as a dict with the keys:
+
+    * "parameter" (str): the name of the parameter whose values differ between the ranks after
+      training (as `named_parameters()` of its module names it);
+    * "first_step" (int): after how many optimizer steps the ranks first hold different values
+      of it (1: right after the first step);
+    * "averaged_tensors" (int): of the parameter tensors the optimizer steps, how many have
+      their gradients averaged over the ranks (all-reduced) by DDP.
+    """
+    ### BEGIN SOLUTION
+    return {"parameter": "log_temperature", "first_step": 1, "averaged_tensors": 4}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-temperature-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_temperature's three facts are what the given code does on 2 ranks.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import replicas_that_disagree as hidden
+hidden.check_temperature_diagnosis(diagnose_temperature)
+print("passed")
+### END HIDDEN TESTS
+
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-temperature", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ### `train_with_temperature(model, criterion, batches, lr) -> None` (3 points)
 #
@@ -215,8 +301,7 @@ show_temperature(run_ranks(watch_temperature, 2, given_train_with_temperature, t
 # own batches. Afterwards the model's and the criterion's parameters must be bit-identical on
 # every rank and equal (within `1e-5 + 1e-5 * |w|`) to ONE process training rank 0's initial model
 # and temperature on the global batch of each step (every rank's batch, concatenated). When wrong,
-# the message names the known mistake that reproduces your weights; once right, it explains what
-# the given code did.
+# the message names the known mistake that reproduces your weights.
 
 # %% nbgrader={"grade": false, "grade_id": "train-with-temperature", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def train_with_temperature(model: nn.Module, criterion: nn.Module, batches: list,
@@ -279,7 +364,8 @@ print("passed")
 # `FutureWarning` about that name). Run it: the same weights evaluate differently on every rank.
 # Which of the model's tensors differ between the ranks, and from which step on? Read
 # `DistributedDataParallel._pre_forward` and `_post_forward` (torch/nn/parallel/distributed.py)
-# to find out when DDP would have made them agree: the fix depends on it.
+# to find out when DDP would have made them agree: the fix depends on it. Diagnose it in
+# `diagnose_batchnorm`, then fix it in `train_and_evaluate`.
 
 # %% nbgrader={"grade": false, "grade_id": "given-batchnorm", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # Locked: the loop as it was found. Do not fix it here; write `train_and_evaluate` below.
@@ -313,6 +399,47 @@ def show_batchnorm(results):
 
 show_batchnorm(run_ranks(watch_batchnorm, 2, given_train_and_evaluate, timeout=60))
 
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task-batchnorm-diagnosis", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ### `diagnose_batchnorm() -> dict` (1 point)
+#
+# Before the fix, say what went wrong, as the docstring's keys. The output above compares
+# `running_mean` only: look at every tensor of the model, and read `_pre_forward` and
+# `_post_forward` for the last key.
+#
+# **Graded when the notebook is graded, not before**: no check you can run tells a right
+# diagnosis from a wrong one. The graded feedback then explains what the given code did and the
+# fixes that work.
+
+# %% nbgrader={"grade": false, "grade_id": "diagnose-batchnorm", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diagnose_batchnorm() -> dict:
+    """What `given_train_and_evaluate` does in the "Run it" cell above (2 ranks, 4 training steps,
+    then one evaluation), as a dict with the keys:
+
+    * "differing" (list of str): the names (as `model.state_dict()` names them, e.g. "1.weight")
+      of every tensor of the model that differs between the ranks after training;
+    * "first_step" (int): after how many training steps the ranks first hold different values
+      in them (1: right after the first step);
+    * "default_syncs" (int): how many of the function's forwards through the wrapper (the
+      training ones and the evaluation's) would start by broadcasting rank 0's buffers with
+      DDP's default, `forward_sync_buffers=True`, instead of `broadcast_buffers=False`.
+    """
+    ### BEGIN SOLUTION
+    return {"differing": ["1.running_mean", "1.running_var"], "first_step": 1,
+            "default_syncs": 5}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test-batchnorm-diagnosis-hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# Hidden tests: they run when your notebook is graded.
+# (1 point) diagnose_batchnorm's three facts are what the given code does on 2 ranks.
+from ddpcourse.grading import integrity
+integrity.assert_untampered()
+### BEGIN HIDDEN TESTS
+from autograder.hidden import replicas_that_disagree as hidden
+hidden.check_batchnorm_diagnosis(diagnose_batchnorm)
+print("passed")
+### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-batchnorm", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ### `train_and_evaluate(model, batches, lr, eval_x) -> Tensor` (3 points)

@@ -30,6 +30,11 @@ which tests/test_grading_replicas_that_disagree.py holds them to.
   the ranks in one process (there is no single-process equivalent: each rank normalises with its
   own batch's statistics).
 
+Each lab also asks for a diagnosis (``diagnose_<lab>()``: facts of what its given code does).
+This module only observes it (:func:`observe_diagnosis`): the expected facts, their judge and
+the labs' explanations live in autograder/hidden/replicas_that_disagree.py, and no visible check
+looks at a diagnosis or prints an explanation.
+
 Tolerances: the ranks add the same numbers in another order than the judge does, and float32
 addition is not associative: within ``ATOL + RTOL * |w|`` (a right fix is at most ~1e-7 away,
 measured by tests/test_grading_replicas_that_disagree.py; the wrong fixes there are off by 1e-3
@@ -779,76 +784,41 @@ TEMPERATURE = Case(observe_temperature, judge_temperature)
 BATCHNORM = Case(observe_batchnorm, judge_batchnorm)
 
 
-# What each lab's given code did, and the fixes: the feedback of its visible check once it
-# passes (the lab gives the symptom only; working out the cause is the exercise).
-EXPLANATIONS = {
-    'join': """\
-The job's first function was written for SLURM, where `srun` starts one task per process and
-sets `SLURM_PROCID` (the global rank), `SLURM_LOCALID` (the rank on its machine) and
-`SLURM_NTASKS`. When the job moved to `torchrun`, someone added `WORLD_SIZE`, and the defaults
-"make it work when run by hand". But torchrun sets `RANK`, `LOCAL_RANK` and `WORLD_SIZE`, and
-no `SLURM_*` at all: `os.environ.get("SLURM_PROCID", 0)` gives 0 in **every** process.
+# --- the diagnoses: observed here, judged only by the hidden checks ---------------------------
+#
+# Each lab asks, before the fix, for facts of what its given code does (``diagnose_<lab>()``
+# returns them as a dict). Their answer space is small, so this module holds no expected value
+# and no visible check looks at a diagnosis: autograder/hidden/replicas_that_disagree.py judges
+# them when the notebook is graded, and its feedback explains each lab.
 
-Two processes that both claim rank 0 of 2 cannot form a group: each writes its address as rank
-0's and waits for rank 1's, which nobody writes. With the default timeout (30 minutes for
-gloo) the job just hangs; with a short one every rank fails with the store's timeout: the
-`file://` store below says `RuntimeError: Wait timeout`; under `torchrun` (its agent's TCP
-store, `env://`) every process says `DistStoreError: wait timeout after 1000ms, keys:
-/default_pg/0//cpu//0/1` for a one-second timeout: the key of rank 1, who never came. Worse
-is when the world size is read the same way (`SLURM_NTASKS` with a default of 1): then every
-process forms a group **of its own**, as rank 0 of 1, nothing fails, every all-reduce returns
-the process's own value, and N processes train N separate models, all logging and saving as
-rank 0.
-""",
-    'temperature': """\
-The model is wrapped in DDP, and the loss is `TemperedLoss` (from the setup cell): the
-cross-entropy of `logits / exp(log_temperature)`, where `log_temperature` is an
-`nn.Parameter`. It is created after wrapping and handed to the optimizer, so it learns; but
-DDP only averages the gradients of the parameters of the module it wraps. Each rank's
-temperature follows its own rank's data, and the ranks hold different models after the first
-step. The model's own weights still agree (DDP averages their gradients), so a check of the
-wrapped model alone sees nothing wrong: compare everything that learns.
-
-Two tempting fixes do not work: seeding before creating
-the temperature (it already starts equal: the problem is its gradients, not its start), and
-averaging the parameters once at the end (the ranks then agree, but every step before used a
-temperature of its own, so they agree on the wrong weights).
-""",
-    'batchnorm': """\
-BatchNorm keeps buffers, not parameters: `running_mean`, `running_var`, `num_batches_tracked`.
-Training forwards update them from each rank's own batch, and evaluation normalises with them.
-By default DDP copies rank 0's buffers to every rank at the start of a forward through the
-wrapper whenever the previous forward ran with gradients on and outside `no_sync()` (and at the
-first forward after wrapping): `DistributedDataParallel._pre_forward` calls `_sync_buffers`,
-which broadcasts from rank 0, when `will_sync_module_buffers()` holds, and `_post_forward`
-re-arms it only after such a forward (chapter 07 counts the broadcasts). The switch is `forward_sync_buffers` in torch 2.13; its older name
-`broadcast_buffers`, the one in the cell below, is deprecated there and warns (the
-`FutureWarning` the cell prints; `broadcast_buffers=False` also skips the sync of the
-buffers when the wrapper is built, `forward_sync_buffers=False` does not). Turned off, the
-ranks' statistics differ from the first step on, and the same weights evaluate differently on
-every rank.
-
-Two things that are easy to get wrong:
-
-* Even with the sync on, the buffers are broadcast **before** a forward, so after the last
-  training step every rank still holds the statistics its own last batch updated. They agree
-  again only after the next forward through the wrapper (the first evaluation forward through
-  `ddp_model`, which broadcasts rank 0's: `will_sync_module_buffers` is true after a forward
-  with gradients): evaluating `ddp_model.module` (or the plain model) skips that, and the ranks
-  disagree.
-* `nn.SyncBatchNorm` (batch statistics over all ranks) does not run here: on the CPU, DDP's
-  constructor refuses it with `ValueError: SyncBatchNorm layers only work with GPU modules`,
-  and its forward in training raises `SyncBatchNorm expected input tensor to be on GPU or XPU
-  or ...` (torch/nn/modules/batchnorm.py, `SyncBatchNorm.forward`). It is a fix on GPUs with
-  NCCL, and it changes the training itself (normalisation with the global batch's
-  statistics); this lab keeps DDP's default rules.
-""",
-}
+MAX_KEYS, MAX_LIST = 8, 8
 
 
-def explain(lab: str) -> None:
-    """Print what the lab's given code did and why the fix works (after its check passed)."""
-    print(f"What the given code did:\n\n{EXPLANATIONS[lab].rstrip()}\n")
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` as plain data when it is an int, bool, str, None or (once) a short list of them;
+    else a description. Only exact built-in types: a subclass could run the student's code later."""
+    if value is None or type(value) in (int, bool):
+        return value
+    if type(value) is str:
+        return value[:MAX_TEXT]
+    if type(value) in (list, tuple, set) and depth == 0 and len(value) <= MAX_LIST:
+        items = [_plain(item, 1) for item in value]
+        if all(item is None or type(item) in (int, bool, str) for item in items):
+            return items
+    return f"a {type(value).__name__}"
+
+
+def observe_diagnosis(rank, world_size, diagnose, lab):
+    """Call the student's ``diagnose_<lab>()`` (no arguments) and report what it returned as
+    plain data: a dict of at most MAX_KEYS string keys, or a description of what came instead.
+    ``lab`` names the lab for the judge (the case's argument)."""
+    answer = diagnose()
+    if type(answer) is not dict:
+        return {"answer": None, "returned": type_name(answer)}
+    if len(answer) > MAX_KEYS or any(type(key) is not str for key in answer):
+        return {"answer": None, "returned": f"a dict with {len(answer)} keys, not all strings"}
+    return {"answer": {key[:MAX_TEXT]: _plain(value) for key, value in answer.items()},
+            "returned": "a dict"}
 
 
 def run_join(join_the_job, world_size: int, situations, **kwargs) -> None:
@@ -862,14 +832,11 @@ def run_join(join_the_job, world_size: int, situations, **kwargs) -> None:
 
 def check_join_the_job(join_the_job) -> None:
     run_join(join_the_job, 2, VISIBLE_JOIN)
-    explain("join")
 
 
 def check_train_with_temperature(train_with_temperature) -> None:
     run_student(TEMPERATURE, 2, train_with_temperature, VISIBLE_TRAINING)
-    explain("temperature")
 
 
 def check_train_and_evaluate(train_and_evaluate) -> None:
     run_student(BATCHNORM, 2, train_and_evaluate, VISIBLE_TRAINING)
-    explain("batchnorm")
