@@ -351,8 +351,10 @@ assert all(outcome.get("ok", True) for outcome in gpu_outcomes.values())
 # | `replicas_that_disagree` | a job that never forms under `torchrun`; a learnable temperature in the loss; BatchNorm with `broadcast_buffers=False` |
 # | `read_the_logs` | real captured logs (a ChildFailedError, a collective timeout, a DETAIL mismatch, a killed rank, two ranks on one GPU): name the failing rank, the line and the collective |
 #
-# Each lab gives the symptom; finding the cause is part of the exercise, and the tests'
-# feedback explains it once your answer is checked.
+# Each lab gives the symptom; finding the cause is part of the exercise. In `ddp_errors`,
+# `collectives_that_hang` and `replicas_that_disagree` you also hand in a diagnosis of the given
+# code (`diagnose_<lab>()`: which rank, which collective, which step, which parameter), graded
+# only when the notebook is graded; that graded feedback explains what happened and the fixes.
 #
 # ## 8. Symptom → cause → command → fix
 #
