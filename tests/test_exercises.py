@@ -16,19 +16,110 @@ from nbclient.exceptions import DeadKernelError
 
 from autograder.sources import exercises
 from ddpcourse.grading.notebook_runner import (DEFAULT_CELL_TIMEOUT_S, CellResult,
-                                               graded_cell_results, is_plain_code_cell,
-                                               run_test_cells)
+                                               graded_cell_results, is_plain_code_cell)
 from ddpcourse.kernels import execute_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = exercises()
 
 
+PRELOAD_CHECKS = (
+    "import importlib, os, pkgutil, sys, torch\n"
+    "import ddpcourse.grading.comm_audit\n"
+    "import ddpcourse.grading.exercises as package\n"
+    "for module in pkgutil.iter_modules(package.__path__):\n"
+    "    importlib.import_module(f'{package.__name__}.{module.name}')\n")
+# What a fresh kernel starts with, kept where %reset does not reach, and put back before each
+# solution (its folder as the working directory, its environment, torch's RNG, dtype, grad mode).
+REMEMBER_FRESH_KERNEL = (
+    "sys._fresh_kernel = {'environ': dict(os.environ), 'rng': torch.random.get_rng_state(),\n"
+    "                     'dtype': torch.get_default_dtype()}\n")
+FRESH_START = """get_ipython().run_line_magic('reset', '-f')
+import os, sys, torch
+os.chdir({folder!r})
+os.environ.clear()
+os.environ.update(sys._fresh_kernel['environ'])
+torch.random.set_rng_state(sys._fresh_kernel['rng'])
+torch.set_default_dtype(sys._fresh_kernel['dtype'])
+torch.set_grad_enabled(True)
+del os, sys, torch"""
+
+
+def every_solution_in_one_kernel(selected) -> nbformat.NotebookNode:
+    """The ``selected`` solutions' notebooks, whole, in one kernel: each preceded by a cell that
+    empties the namespace (``%reset -f``) and puts back what a fresh kernel starts with, so a
+    name that only an earlier notebook defines is missing here as in a kernel of its own. A
+    kernel, its imports and its warm rank server cost seconds of CPU; 24 of them were a tenth
+    of what this file cost. A first cell imports every exercise's checks, as the stubs' kernel
+    does (the integrity snapshot is the first setup cell's)."""
+    preload = nbformat.v4.new_code_cell(PRELOAD_CHECKS + REMEMBER_FRESH_KERNEL)
+    preload.id, preload.metadata["exercise"] = "preload", ""
+    cells = [preload]
+    for exercise in selected:
+        solution = nbformat.read(exercise.source, as_version=4)
+        start = nbformat.v4.new_code_cell(FRESH_START.format(folder=str(exercise.source.parent)))
+        code = [c for c in solution.cells if c.cell_type == "code"]
+        for number, cell in enumerate([start, *code]):
+            cell.id = f"{exercise.slug}-{number}"
+            cell.metadata["exercise"] = exercise.slug
+            cells.append(cell)
+    return nbformat.v4.new_notebook(cells=cells, metadata=solution.metadata)
+
+
+@pytest.fixture(scope="module")
+def solution_results(request) -> dict[str, list[CellResult]]:
+    """Each selected solution's test cell results (hidden ones included), from one kernel."""
+    wanted = {item.callspec.params["exercise"].slug for item in request.session.items
+              if getattr(item, "originalname", "") == "test_the_solution_passes_every_test_"
+              "cell_including_hidden" and hasattr(item, "callspec")}
+    selected = [exercise for exercise in EXERCISES if exercise.slug in wanted]
+    nb = every_solution_in_one_kernel(selected)
+    env_before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env_before]))
+    died = ""
+    try:
+        execute_notebook(nb, ROOT / "solutions", DEFAULT_CELL_TIMEOUT_S, allow_errors=True,
+                         interrupt_on_timeout=True)
+    except DeadKernelError as exc:
+        died = f"the kernel died ({exc}); cells after that point did not run"
+    finally:
+        if env_before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = env_before
+    return {exercise.slug: graded_cell_results(
+        [c for c in nb.cells if c.metadata["exercise"] == exercise.slug], died)
+        for exercise in selected}
+
+
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
-def test_the_solution_passes_every_test_cell_including_hidden(exercise):
-    results = run_test_cells(exercise.source, extra_pythonpath=[str(ROOT)])
+def test_the_solution_passes_every_test_cell_including_hidden(exercise, solution_results):
+    results = solution_results[exercise.slug]
     assert results and all(r.passed for r in results), [(r.grade_id, r.message) for r in results
                                                         if not r.passed]
+
+
+def test_a_name_an_earlier_solution_defined_is_gone_in_the_next_one(tmp_path):
+    """What keeps one kernel for every solution honest: after the fresh start, the namespace is
+    empty, and the environment, working directory, torch's RNG, default dtype and grad mode are
+    what the kernel started with."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    state = ("import os, torch\n"
+             "print(sorted(n for n in dir() if not n.startswith('_') and n not in ('In', 'Out', "
+             "'exit', 'quit', 'open', 'get_ipython', 'os', 'torch')), "
+             "os.path.basename(os.getcwd()), 'LEFT_BEHIND' in os.environ, "
+             "torch.get_default_dtype(), torch.is_grad_enabled(), torch.rand(2).tolist())")
+    cells = [PRELOAD_CHECKS + REMEMBER_FRESH_KERNEL,
+             FRESH_START.format(folder=str(first)), state,
+             "left_behind = 1\nos.environ['LEFT_BEHIND'] = '1'\n"
+             "torch.set_default_dtype(torch.float64)\ntorch.set_grad_enabled(False)",
+             FRESH_START.format(folder=str(second)), state]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    execute_notebook(nb, tmp_path, 60)
+    before, after = (nb.cells[i].outputs[0]["text"] for i in (2, 5))
+    assert before.startswith("[] first False torch.float32 True [")
+    assert after == before.replace("first", "second")
 
 
 def graded_cells_of_every_release() -> nbformat.NotebookNode:
@@ -59,7 +150,8 @@ def stub_results() -> dict[str, list[CellResult]]:
     """Every release's graded cells, run in one kernel (a kernel and a warm rank server per
     release cost more than all their cells): each exercise's test cell results. What a shared
     kernel could hide, a name one release's cells use and only an earlier one defines, the
-    solution's own kernel shows (the test above: the same setup and test cells)."""
+    solutions' run shows (the tests above: the same setup and test cells, each notebook starting
+    from an empty namespace)."""
     nb = graded_cells_of_every_release()
     died = ""
     try:
