@@ -550,7 +550,7 @@ def test_a_wrong_diagnosis_still_gets_the_explanation(capsys):
     with pytest.raises(CheckFailed, match="'first_step' = 2 is not what the given code does"):
         hidden.check_temperature_diagnosis(off_by_a_step)
     assert hidden.EXPLANATIONS["temperature"].rstrip() in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="must return a dict .* it returned int"):
+    with pytest.raises(CheckFailed, match="must return a dict .* it returned a int"):
         hidden.check_join_diagnosis(lambda: 0)
     assert "What the given code did" in capsys.readouterr().out
 

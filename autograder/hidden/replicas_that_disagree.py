@@ -255,8 +255,10 @@ def judge_diagnosis(lab: str, answer: Any, returned: str = "") -> None:
 
 def judge_diagnosis_report(observations, world_size, lab):
     [observation] = observations
-    answer = observed(observation, "answer", (dict, type(None)))
-    judge_diagnosis(lab, answer, observed(observation, "returned", str))
+    answer = observed(observation, "answer", dict)
+    if set(answer) == {"not_plain"}:  # what came instead of a dict of plain data
+        judge_diagnosis(lab, None, str(answer["not_plain"]))
+    judge_diagnosis(lab, answer)
 
 
 DIAGNOSIS = Case(visible.observe_diagnosis, judge_diagnosis_report)

@@ -59,6 +59,7 @@ from torch import nn
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, cut_text,
                                       every_ranks_calls, group_problem, judge_each_rank, observed,
                                       reported_tensors, run_student, safe_text, type_name)
+from ddpcourse.grading.exercises.read_the_logs import plain_answer
 from ddpcourse.grading.written_out import sum_and_norm, table_lookup
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
@@ -791,34 +792,11 @@ BATCHNORM = Case(observe_batchnorm, judge_batchnorm)
 # and no visible check looks at a diagnosis: autograder/hidden/replicas_that_disagree.py judges
 # them when the notebook is graded, and its feedback explains each lab.
 
-MAX_KEYS, MAX_LIST = 8, 8
-
-
-def _plain(value: Any, depth: int = 0) -> Any:
-    """``value`` as plain data when it is an int, bool, str, None or (once) a short list of them;
-    else a description. Only exact built-in types: a subclass could run the student's code later."""
-    if value is None or type(value) in (int, bool):
-        return value
-    if type(value) is str:
-        return value[:MAX_TEXT]
-    if type(value) in (list, tuple, set) and depth == 0 and len(value) <= MAX_LIST:
-        items = [_plain(item, 1) for item in value]
-        if all(item is None or type(item) in (int, bool, str) for item in items):
-            return items
-    return f"a {type(value).__name__}"
-
-
 def observe_diagnosis(rank, world_size, diagnose, lab):
     """Call the student's ``diagnose_<lab>()`` (no arguments) and report what it returned as
-    plain data: a dict of at most MAX_KEYS string keys, or a description of what came instead.
-    ``lab`` names the lab for the judge (the case's argument)."""
-    answer = diagnose()
-    if type(answer) is not dict:
-        return {"answer": None, "returned": type_name(answer)}
-    if len(answer) > MAX_KEYS or any(type(key) is not str for key in answer):
-        return {"answer": None, "returned": f"a dict with {len(answer)} keys, not all strings"}
-    return {"answer": {key[:MAX_TEXT]: _plain(value) for key, value in answer.items()},
-            "returned": "a dict"}
+    plain data, as read_the_logs keeps its answers. ``lab`` names the lab for the judge (the
+    case's argument)."""
+    return {"answer": plain_answer(diagnose())}
 
 
 def run_join(join_the_job, world_size: int, situations, **kwargs) -> None:
