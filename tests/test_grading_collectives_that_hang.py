@@ -128,7 +128,7 @@ def test_the_given_log_aborts_in_gloo_or_hangs_when_nothing_follows(capfd):
         run_ranks(log_at_the_last_step, 2, given(0), timeout=SHORT, backend="gloo",
                   relay_output=False)
     assert hung.value.failed_ranks == [0]
-    assert " in all_reduce\n" in hung.value.failures[0].stack
+    assert " in all_reduce\n" in failure_of(hung.value, 0).stack
 
 
 @pytest.mark.parametrize("lab, blocked", [(1, "in _sync_buffers"), (2, "in backward"),
@@ -462,6 +462,11 @@ def _tagged_all_reduce(ddp, bucket):
     return dist.all_reduce(tagged, async_op=True).get_future().then(done)
 
 
+def failure_of(error: RankError, rank: int):
+    """Rank ``rank``'s RankFailure (``error.failures`` leads with the rank that failed first)."""
+    return next(failure for failure in error.failures if failure.rank == rank)
+
+
 def trace_of(trace, rank: int) -> list[list[str]]:
     with open(f"{trace}-{rank}") as lines:
         return [line.split() for line in lines]
@@ -541,12 +546,12 @@ def test_the_log_diagnosis_is_what_the_given_code_does(tmp_path):
     assert killed.exitcode == -6
     traced = failures_of(demo_log, traced_given(0, tmp_path / "trace"), 2)
     assert [f.rank for f in traced.failures if f.kind == "exited"] == [killed.rank]
-    assert " in all_reduce\n" in traced.failures[killed.rank].stack  # its log all-reduce
+    assert " in all_reduce\n" in failure_of(traced, killed.rank).stack  # its log all-reduce
     last = trace_of(tmp_path / "trace", 1 - killed.rank)[-1]
     assert last[0] == "all_reduce"  # started, never paired
     assert derived("log", {
         "hung_rank": hung_rank,
-        "hung_in": function_in(hung.failures[hung_rank].stack, "distributed_c10d.py"),
+        "hung_in": function_in(failure_of(hung, hung_rank).stack, "distributed_c10d.py"),
         "aborted_rank": killed.rank, "paired_with_step": int(last[1])}) == expected("log")
 
 
@@ -556,8 +561,8 @@ def test_the_evaluate_diagnosis_is_what_the_given_code_does(tmp_path):
     hung = failures_of(demo_evaluate, traced_given(1, tmp_path / "trace"))
     assert isinstance(hung, RankTimeoutError) and len(hung.failed_ranks) == 1
     [rank] = hung.failed_ranks
-    waits_in = function_in(hung.failures[rank].stack, "nn/parallel/distributed.py")
-    assert " in _sync_buffers\n" in hung.failures[rank].stack  # DDP's buffer sync, as explained
+    waits_in = function_in(failure_of(hung, rank).stack, "nn/parallel/distributed.py")
+    assert " in _sync_buffers\n" in failure_of(hung, rank).stack  # DDP's buffer sync, as explained
     evaluated = [line for line in trace_of(tmp_path / "trace", rank) if line == ["evaluated"]]
     try:
         run_ranks(demo_evaluate, 2, given(1), checks.make_linear, timeout=DEADLINE,
@@ -582,7 +587,7 @@ def test_the_shard_diagnosis_is_what_the_given_code_does(tmp_path):
     assert last[0] == "all_reduce"
     assert derived("shard", {
         "hung_rank": rank,
-        "hung_in": function_in(hung.failures[rank].stack, "<student notebook>"),
+        "hung_in": function_in(failure_of(hung, rank).stack, "<student notebook>"),
         "hung_at_step": int(last[1])}) == expected("shard")
 
 
@@ -592,7 +597,7 @@ def test_the_skip_diagnosis_is_what_the_given_code_does(tmp_path):
     hung = failures_of(demo_skip, traced_given(3, tmp_path / "trace"))
     assert isinstance(hung, RankTimeoutError) and len(hung.failed_ranks) == 1
     [rank] = hung.failed_ranks
-    assert function_in(hung.failures[rank].stack, "<student notebook>") == "backward"
+    assert function_in(failure_of(hung, rank).stack, "<student notebook>") == "backward"
     trace = trace_of(tmp_path / "trace", rank)
     assert trace[-1][0] == "all_reduce"
     mixed = [int(own) for event, own, *partner in trace
