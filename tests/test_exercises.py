@@ -54,16 +54,17 @@ def every_solution_in_one_kernel(selected) -> nbformat.NotebookNode:
     does (the integrity snapshot is the first setup cell's)."""
     preload = nbformat.v4.new_code_cell(PRELOAD_CHECKS + REMEMBER_FRESH_KERNEL)
     preload.id, preload.metadata["exercise"] = "preload", ""
-    cells = [preload]
+    cells, metadata = [preload], {}
     for exercise in selected:
         solution = nbformat.read(exercise.source, as_version=4)
+        metadata = solution.metadata  # every solution names the same kernel
         start = nbformat.v4.new_code_cell(FRESH_START.format(folder=str(exercise.source.parent)))
         code = [c for c in solution.cells if c.cell_type == "code"]
         for number, cell in enumerate([start, *code]):
             cell.id = f"{exercise.slug}-{number}"
             cell.metadata["exercise"] = exercise.slug
             cells.append(cell)
-    return nbformat.v4.new_notebook(cells=cells, metadata=solution.metadata)
+    return nbformat.v4.new_notebook(cells=cells, metadata=metadata)
 
 
 @pytest.fixture(scope="module")
