@@ -636,15 +636,15 @@ def test_the_solution_diagnosis_passes_and_each_wrong_field_fails_named(lab):
     """The solution's answer is the hidden module's; a wrong value in any one field, or a
     missing field, fails with that field named (and only it)."""
     right = diagnosis(lab)()
-    assert hidden.judge_diagnosis(lab, right) == []
+    assert hidden.DIAGNOSED.wrong_fields(lab, right) == []
     assert right.keys() == hidden.DIAGNOSES[lab].keys()
     for field, value in right.items():
-        wrong = hidden.judge_diagnosis(lab, {**right, field: wrong_value(hidden.KINDS[field],
+        wrong = hidden.DIAGNOSED.wrong_fields(lab, {**right, field: wrong_value(hidden.KINDS[field],
                                                                          value)})
         assert len(wrong) == 1 and wrong[0].startswith(f"{field!r} = "), wrong
-        missing = hidden.judge_diagnosis(lab, {k: v for k, v in right.items() if k != field})
+        missing = hidden.DIAGNOSED.wrong_fields(lab, {k: v for k, v in right.items() if k != field})
         assert len(missing) == 1 and missing[0].startswith(f"{field!r} is missing"), missing
-    assert hidden.judge_diagnosis(lab, {**right, next(iter(right)): "1"})[0].endswith("not '1'")
+    assert hidden.DIAGNOSED.wrong_fields(lab, {**right, next(iter(right)): "1"})[0].endswith("not '1'")
 
 
 def test_the_hidden_diagnosis_checks_run_the_submitted_function_and_always_explain(host, capsys):
@@ -669,7 +669,7 @@ def test_the_visible_module_holds_no_diagnosis_and_prints_nothing_after_a_pass(c
     """The diagnoses and explanations live in the hidden module only: the visible module, which
     every student can import, has neither, and its checks print nothing after a pass."""
     for name in ("EXPLANATIONS", "explain", "explanation", "DIAGNOSES", "KINDS",
-                 "HINTS_BY_FIELD", "judge_diagnosis"):
+                 "HINTS_BY_FIELD", "DIAGNOSED"):
         assert not hasattr(checks, name), name
     checks.check_gather_predictions(solutions()[4])
     assert capsys.readouterr().out == ""

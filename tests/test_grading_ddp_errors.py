@@ -31,6 +31,7 @@ from autograder.relayed import RelayedRanks
 from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed, audited_traffic, run_student
 from ddpcourse.grading.exercises import ddp_errors as checks
+from ddpcourse.grading.exercises.read_the_logs import observe_diagnosis
 from ddpcourse.launcher import run_ranks
 from rank_lines import ranks_named
 from trusted_path import altered, submitted
@@ -366,14 +367,14 @@ def test_the_diagnoses_are_the_solutions_and_each_check_explains_after_a_pass(ca
 @pytest.mark.parametrize("lab, field", [(lab, field) for lab, fields in hidden.DIAGNOSES.items()
                                         for field in fields])
 def test_a_wrong_or_missing_field_fails_naming_it_and_still_explains(lab, field):
-    judge = hidden.DIAGNOSIS_CASES[lab].judge
+    judge = hidden.DIAGNOSED.case(lab).judge
     right = SOLUTION_DIAGNOSES[lab]()
-    judge([checks.observe_diagnosis(0, 1, lambda: right)], 1)
+    judge([observe_diagnosis(0, 1, lambda: right)], 1)
     wrong = {**right, field: WRONG_VALUES[field]}
     missing = {key: value for key, value in right.items() if key != field}
     for answer, named in ((wrong, f"'{field}' = "), (missing, f"'{field}' is missing")):
         with pytest.raises(CheckFailed) as failed:
-            judge([checks.observe_diagnosis(0, 1, lambda answer=answer: answer)], 1)
+            judge([observe_diagnosis(0, 1, lambda answer=answer: answer)], 1)
         text = str(failed.value)
         verdict = text.split("\n\n")[0]
         assert named in verdict and verdict.count("\n* ") == 1, text
@@ -396,7 +397,7 @@ def test_a_wrong_diagnosis_fails_in_its_rank_too():
 
 
 def test_the_answers_forms_the_docstrings_allow_are_accepted():
-    judge = hidden.judge_diagnosis
+    judge = hidden.DIAGNOSED.wrong_fields
     assert judge("unused_head", {"iteration": 2, "unused_parameters": [" aux.bias",
                  "module.aux.weight"], "gradient_all_reduces": 0, "replicas_agree": False}) == []
     assert judge("checkpoint", {"key_prefix": "module", "ranks_that_wrote": 2,
@@ -494,11 +495,9 @@ def test_the_hidden_diagnoses_are_what_the_given_code_does():
 def test_the_visible_module_holds_no_diagnosis_and_explains_nothing(capsys):
     """The diagnoses and the explanations that give them away live in the hidden module only,
     and a visible check prints nothing after a pass."""
-    for name in ("EXPLANATIONS", "explain", "explanation", "DIAGNOSES", "HINTS",
-                 "judge_diagnosis", "DIAGNOSIS_CASES"):
+    for name in ("EXPLANATIONS", "DIAGNOSES", "HINTS", "DIAGNOSED"):
         assert not hasattr(checks, name), name
-    assert [name for name in vars(checks) if "diagnos" in name.lower()] == \
-        ["DIAGNOSIS_TIMEOUT_S", "observe_diagnosis"]
+    assert [name for name in vars(checks) if "diagnos" in name.lower()] == []
     checks.check_aux_head_never_used(SOLUTION_AUX)
     checks.check_resume(SOLUTION_SAVE, SOLUTION_RESUME)
     checks.check_checkpointed_tower(SOLUTION_TOWER)

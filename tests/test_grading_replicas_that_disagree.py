@@ -502,9 +502,14 @@ def solution_diagnosis(lab: str) -> dict:
     return from_the_notebook(f"diagnose-{lab}", f"diagnose_{lab}")()
 
 
+def wrong_fields(lab: str, answer) -> str:
+    """What the hidden judge says of ``answer``, one line per field ('' when it is right)."""
+    return "\n".join(hidden.DIAGNOSED.wrong_fields(lab, answer))
+
+
 def test_the_solutions_diagnoses_are_the_graders():
     for lab in LABS:
-        hidden.judge_diagnosis(lab, solution_diagnosis(lab))
+        assert wrong_fields(lab, solution_diagnosis(lab)) == ""
 
 
 # A wrong value of each field, of the right type (the message names the field), and answers a
@@ -526,38 +531,40 @@ def test_a_wrong_or_missing_field_fails_naming_that_field_only(lab, field):
     for answer, says in [({**right, field: WRONG[field]}, "is not what the given code does"),
                          ({name: right[name] for name in others}, "is missing"),
                          ({**right, field: 1.5}, "should be")]:
-        with pytest.raises(CheckFailed) as failed:
-            hidden.judge_diagnosis(lab, answer)
-        message = str(failed.value)
+        message = wrong_fields(lab, answer)
         assert f"'{field}'" in message and says in message, message
-        assert not any(f"'{name}'" in message for name in others), message
+        verdict = message.split(" (the dict has")[0]  # a missing field's note lists the keys
+        assert not any(f"'{name}'" in verdict for name in others), message
 
 
 def test_other_forms_of_a_right_answer_pass_and_a_bool_is_no_int():
     for lab, forms in OTHER_FORMS.items():
-        hidden.judge_diagnosis(lab, {**solution_diagnosis(lab), **forms})
-    with pytest.raises(CheckFailed, match="'first_step' should be an int"):
-        hidden.judge_diagnosis("temperature", {**solution_diagnosis("temperature"),
-                                               "first_step": True})
+        assert wrong_fields(lab, {**solution_diagnosis(lab), **forms}) == ""
+    assert "'first_step' should be an int" in wrong_fields(
+        "temperature", {**solution_diagnosis("temperature"), "first_step": True})
 
 
 def test_a_wrong_diagnosis_still_gets_the_explanation(capsys):
-    """Through a rank, as graded: the verdict names the field, and the lab's explanation is
-    printed whether the diagnosis was right or not; a function that returns no dict fails too."""
+    """Through a rank, as graded: the verdict names the field and ends with the lab's
+    explanation (the grader keeps a failing cell's message, not what it printed); a right one
+    prints the explanation; a function that returns no dict fails too."""
     def off_by_a_step():
         return {"parameter": "log_temperature", "first_step": 2, "averaged_tensors": 4}
 
-    with pytest.raises(CheckFailed, match="'first_step' = 2 is not what the given code does"):
+    with pytest.raises(CheckFailed, match="'first_step' = 2 is not what the given code does"
+                       ) as failed:
         hidden.check_temperature_diagnosis(off_by_a_step)
-    assert hidden.EXPLANATIONS["temperature"].rstrip() in capsys.readouterr().out
-    with pytest.raises(CheckFailed, match="must return a dict .* it returned a int"):
+    assert hidden.EXPLANATIONS["temperature"].rstrip() in str(failed.value)
+    with pytest.raises(CheckFailed, match="must return a dict .* it returned a int") as failed:
         hidden.check_join_diagnosis(lambda: 0)
-    assert "What the given code did" in capsys.readouterr().out
+    assert "What the given code did" in str(failed.value)
+    hidden.check_batchnorm_diagnosis(lambda: solution_diagnosis("batchnorm"))
+    assert hidden.EXPLANATIONS["batchnorm"].rstrip() in capsys.readouterr().out
 
 
 def test_the_visible_module_holds_no_explanation_and_no_diagnosis():
     """A student can import the visible module: it must not hand over what the diagnoses ask."""
-    for name in ("EXPLANATIONS", "explain", "DIAGNOSES", "DIAGNOSIS_KINDS", "judge_diagnosis",
+    for name in ("EXPLANATIONS", "DIAGNOSED", "DIAGNOSES", "DIAGNOSIS_KINDS",
                  "check_join_diagnosis", "check_temperature_diagnosis",
                  "check_batchnorm_diagnosis"):
         assert not hasattr(checks, name), name

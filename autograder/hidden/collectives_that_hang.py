@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from ddpcourse.grading.checks import Case, CheckFailed, cut_text, run_student
+from autograder.hidden.diagnoses import Diagnoses
+from ddpcourse.grading.checks import Case
 from ddpcourse.grading.exercises import collectives_that_hang as visible
 from ddpcourse.grading.exercises.collectives_that_hang import (
     HINTS, _run, _state, digest, lab4_batches, make_batch, make_batches, make_bn_model,
@@ -348,80 +349,6 @@ def normalize(kind: str, value: Any) -> Any:
     return text.replace("_", "")
 
 
-def judge_diagnosis(lab: str, answer: Any) -> list[str]:
-    """Every wrong or missing field of ``answer`` (the observed plain data), each named with
-    where to look; empty when the diagnosis is right."""
-    if isinstance(answer, dict) and set(answer) == {"not_plain"}:
-        return [f"it must return a dict of ints, bools, strings and lists of ints; it returned "
-                f"{cut_text(answer['not_plain'], 100)}"]
-    if not isinstance(answer, dict):
-        return ["it must return a dict"]
-    wrong = []
-    for field, expected in DIAGNOSES[lab].items():
-        kind = KINDS[field]
-        if field not in answer:
-            wrong.append(f"{field!r} is missing (the dict has {cut_text(sorted(answer), 200)})")
-            continue
-        given = normalize(kind, answer[field])
-        if given is None:
-            wrong.append(f"{field!r} should be {_EXPECTED_TYPE[kind]}, not "
-                         f"{cut_text(repr(answer[field]), 60)}")
-        elif given != normalize(kind, expected):
-            wrong.append(f"{field!r} = {cut_text(repr(answer[field]), 60)} is not what the given "
-                         f"code does. Where to look: {HINTS_BY_FIELD[(lab, field)]}")
-    return wrong
-
-
-def _diagnosis_case(lab: str) -> Case:
-    def judge(observations, world_size):
-        [observation] = observations
-        answer = observation.get("answer") if isinstance(observation, dict) else None
-        wrong = judge_diagnosis(lab, answer)
-        if wrong:
-            raise CheckFailed(f"diagnose_{lab}():\n" + "\n".join(f"* {line}" for line in wrong)
-                              + f"\n\n{explanation(lab)}")
-
-    return Case(visible.observe_diagnosis, judge)
-
-
-DIAGNOSIS_CASES = {lab: _diagnosis_case(lab) for lab in DIAGNOSES}
-
-
-def check_diagnosis(lab: str, diagnose) -> None:
-    """Judge ``diagnose`` (called in a rank of its own, no process group, like every submitted
-    function); the explanation of the lab ends the feedback either way: printed after a right
-    diagnosis, part of the failure's message after a wrong one."""
-    __tracebackhide__ = True  # noqa: F841
-    run_student(DIAGNOSIS_CASES[lab], 1, diagnose, timeout=visible.DIAGNOSIS_TIMEOUT_S,
-                init_process_group=False, hide_internals=True)
-    print(explanation(lab))
-
-
-def check_log_diagnosis(diagnose_log) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("log", diagnose_log)
-
-
-def check_evaluate_diagnosis(diagnose_evaluate) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("evaluate", diagnose_evaluate)
-
-
-def check_shard_diagnosis(diagnose_shard) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("shard", diagnose_shard)
-
-
-def check_skip_diagnosis(diagnose_skip) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("skip", diagnose_skip)
-
-
-def check_gather_diagnosis(diagnose_gather) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("gather", diagnose_gather)
-
-
 # What each lab's given code did, and the fixes: the graded feedback of its diagnosis.
 EXPLANATIONS = {
     "log": """\
@@ -527,9 +454,14 @@ picklable object, through pickling: fine for small results, slow for large tenso
 }
 
 
-def explanation(lab: str) -> str:
-    """What the lab's given code did and the fixes that work: the graded feedback."""
-    return f"Why the given code failed, and the fixes:\n\n{EXPLANATIONS[lab].rstrip()}\n"
+DIAGNOSED = Diagnoses(DIAGNOSES, KINDS, normalize, _EXPECTED_TYPE,
+                      "ints, bools, strings and lists of ints", EXPLANATIONS,
+                      "Why the given code failed, and the fixes:", HINTS_BY_FIELD)
+check_log_diagnosis = DIAGNOSED.checker("log")
+check_evaluate_diagnosis = DIAGNOSED.checker("evaluate")
+check_shard_diagnosis = DIAGNOSED.checker("shard")
+check_skip_diagnosis = DIAGNOSED.checker("skip")
+check_gather_diagnosis = DIAGNOSED.checker("gather")
 
 
 # --- the visible cases' truths, written out -----------------------------------------------------

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from typing import Any
 
-from ddpcourse.grading.checks import Case, CheckFailed, cut_text, run_student, together
+from autograder.hidden.diagnoses import Diagnoses
+from ddpcourse.grading.checks import Case, run_student, together
 from ddpcourse.grading.exercises import ddp_errors as visible
 from ddpcourse.grading.exercises.ddp_errors import (_rank_seed, _state, aux_batches, aux_loss,
                                                     make_net, make_optimizer, make_tower,
@@ -209,70 +210,6 @@ def normalize(kind: str, value: Any) -> Any:
     return text.removeprefix("module.")
 
 
-def judge_diagnosis(lab: str, answer: Any) -> list[str]:
-    """Every wrong or missing field of ``answer`` (the observed plain data), each named with
-    where to look; empty when the diagnosis is right."""
-    if isinstance(answer, dict) and set(answer) == {"not_plain"}:
-        return [f"it must return a dict of ints, bools, strings and lists of strings; it "
-                f"returned {cut_text(answer['not_plain'], 100)}"]
-    if not isinstance(answer, dict):
-        return ["it must return a dict"]
-    wrong = []
-    for field, expected in DIAGNOSES[lab].items():
-        kind = KINDS[field]
-        if field not in answer:
-            wrong.append(f"{field!r} is missing (the dict has {cut_text(sorted(answer), 200)})")
-            continue
-        given = normalize(kind, answer[field])
-        if given is None:
-            wrong.append(f"{field!r} should be {_EXPECTED_TYPE[kind]}, not "
-                         f"{cut_text(repr(answer[field]), 60)}")
-        elif given != normalize(kind, expected):
-            wrong.append(f"{field!r} = {cut_text(repr(answer[field]), 60)} is not what the given "
-                         f"code does. Where to look: {HINTS[(lab, field)]}")
-    return wrong
-
-
-def _diagnosis_case(lab: str) -> Case:
-    def judge(observations, world_size):
-        [observation] = observations
-        answer = observation.get("answer") if isinstance(observation, dict) else None
-        wrong = judge_diagnosis(lab, answer)
-        if wrong:
-            raise CheckFailed(f"diagnose_{lab}():\n" + "\n".join(f"* {line}" for line in wrong)
-                              + f"\n\n{explanation(lab)}")
-
-    return Case(visible.observe_diagnosis, judge)
-
-
-DIAGNOSIS_CASES = {lab: _diagnosis_case(lab) for lab in DIAGNOSES}
-
-
-def check_diagnosis(lab: str, diagnose) -> None:
-    """Judge ``diagnose`` (called in a rank of its own, no process group, like every submitted
-    function); the explanation of the lab ends the feedback either way: printed after a right
-    diagnosis, part of the failure's message after a wrong one."""
-    __tracebackhide__ = True  # noqa: F841
-    run_student(DIAGNOSIS_CASES[lab], 1, diagnose, timeout=visible.DIAGNOSIS_TIMEOUT_S,
-                init_process_group=False, hide_internals=True)
-    print(explanation(lab))
-
-
-def check_unused_head_diagnosis(diagnose_unused_head) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("unused_head", diagnose_unused_head)
-
-
-def check_checkpoint_diagnosis(diagnose_checkpoint) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("checkpoint", diagnose_checkpoint)
-
-
-def check_reentrant_diagnosis(diagnose_reentrant) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("reentrant", diagnose_reentrant)
-
-
 # What each lab's given code did, and the fixes: the graded feedback of its diagnosis.
 EXPLANATIONS = {
     "unused_head": """\
@@ -362,9 +299,12 @@ reentrant-checkpointed block applied twice in one forward: the hidden tests have
 }
 
 
-def explanation(lab: str) -> str:
-    """What the lab's given code did and why the fixes work: the graded feedback."""
-    return f"What the given code did, and the fixes:\n\n{EXPLANATIONS[lab].rstrip()}\n"
+DIAGNOSED = Diagnoses(DIAGNOSES, KINDS, normalize, _EXPECTED_TYPE,
+                      "ints, bools, strings and lists of strings", EXPLANATIONS,
+                      "What the given code did, and the fixes:", HINTS)
+check_unused_head_diagnosis = DIAGNOSED.checker("unused_head")
+check_checkpoint_diagnosis = DIAGNOSED.checker("checkpoint")
+check_reentrant_diagnosis = DIAGNOSED.checker("reentrant")
 
 
 # --- the visible cases' truths, written out -----------------------------------------------------

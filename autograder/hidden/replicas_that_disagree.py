@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddpcourse.grading.checks import Case, CheckFailed, cut_text, observed, run_student
+from autograder.hidden.diagnoses import Diagnoses
+from ddpcourse.grading.checks import Case, run_student
 from ddpcourse.grading.exercises import replicas_that_disagree as visible
 from ddpcourse.grading.exercises.replicas_that_disagree import (
     BATCHNORM_MISTAKES, TEMPERATURE_MISTAKES, Situation, _state, eval_inputs,
@@ -229,40 +230,6 @@ def normalize_diagnosis(kind: str, value: Any) -> Any:
     return _PREFIX.sub("", value.strip()).rsplit(".", 1)[-1].removesuffix("()").lower()
 
 
-def judge_diagnosis(lab: str, answer: Any, returned: str = "") -> None:
-    """Name every field of ``answer`` (the rank's report: untrusted data) that is missing, of the
-    wrong type or not what the given code does; the expected values stay out of the message."""
-    expected = DIAGNOSES[lab]
-    if type(answer) is not dict:
-        raise CheckFailed(f"diagnose_{lab}() must return a dict with the keys "
-                          f"{', '.join(expected)}; it returned {cut_text(returned, 80)}")
-    wrong = []
-    for field, value in expected.items():
-        kind = DIAGNOSIS_KINDS[field]
-        if field not in answer:
-            wrong.append(f"{field!r} is missing")
-            continue
-        given = normalize_diagnosis(kind, answer[field])
-        if given is None:
-            wrong.append(f"{field!r} should be {_EXPECTED_TYPE[kind]}, not "
-                         f"{cut_text(repr(answer[field]), 60)}")
-        elif given != normalize_diagnosis(kind, value):
-            wrong.append(f"{field!r} = {cut_text(repr(answer[field]), 60)} is not what the "
-                         "given code does")
-    if wrong:
-        raise CheckFailed(f"diagnose_{lab}():\n" + "\n".join(f"* {line}" for line in wrong))
-
-
-def judge_diagnosis_report(observations, world_size, lab):
-    [observation] = observations
-    answer = observed(observation, "answer", dict)
-    if set(answer) == {"not_plain"}:  # what came instead of a dict of plain data
-        judge_diagnosis(lab, None, str(answer["not_plain"]))
-    judge_diagnosis(lab, answer)
-
-
-DIAGNOSIS = Case(visible.observe_diagnosis, judge_diagnosis_report)
-
 # What each lab's given code did, and the fixes that work: the feedback of the lab's graded
 # diagnosis, right or wrong (the lab gives the symptom only; working out the cause is the task).
 EXPLANATIONS = {
@@ -355,34 +322,12 @@ Two things that are easy to get wrong:
 }
 
 
-def explain(lab: str) -> None:
-    """Print what the lab's given code did and the fixes that work."""
-    print(f"What the given code did:\n\n{EXPLANATIONS[lab].rstrip()}\n")
-
-
-def check_diagnosis(lab: str, diagnose) -> None:
-    """Judge ``diagnose_<lab>`` (called in a process of its own, as every submitted function),
-    then print the lab's explanation, whether the diagnosis was right or not."""
-    __tracebackhide__ = True  # noqa: F841
-    try:
-        run_student(DIAGNOSIS, 1, diagnose, lab, init_process_group=False, hide_internals=True)
-    finally:
-        explain(lab)
-
-
-def check_join_diagnosis(diagnose_join) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("join", diagnose_join)
-
-
-def check_temperature_diagnosis(diagnose_temperature) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("temperature", diagnose_temperature)
-
-
-def check_batchnorm_diagnosis(diagnose_batchnorm) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    check_diagnosis("batchnorm", diagnose_batchnorm)
+DIAGNOSED = Diagnoses(DIAGNOSES, DIAGNOSIS_KINDS, normalize_diagnosis, _EXPECTED_TYPE,
+                      "ints, strings and lists of strings", EXPLANATIONS,
+                      "What the given code did:")
+check_join_diagnosis = DIAGNOSED.checker("join")
+check_temperature_diagnosis = DIAGNOSED.checker("temperature")
+check_batchnorm_diagnosis = DIAGNOSED.checker("batchnorm")
 
 
 # --- the visible cases' truths, written out -----------------------------------------------------

@@ -25,9 +25,9 @@ abort with gloo's message, each with a hint at the fix (:data:`HINTS`).
 Each lab also asks a diagnosis of the given code's failure (``diagnose_<lab>()``: which rank,
 blocked in what, at which step, which collective met which). Its answer space is small enough to
 try every value against any check that tells right from wrong, so nothing here judges it or knows
-it: :func:`observe_diagnosis` only records the returned dict, and the expected facts, the judge
-and the explanation of each failure (printed in the graded feedback) live in
-autograder/hidden/collectives_that_hang.py. The visible checks print nothing after a pass.
+it: :func:`~ddpcourse.grading.exercises.read_the_logs.observe_diagnosis` only records the returned
+dict, and the expected facts and the explanation of each failure (printed in the graded feedback)
+live in autograder/hidden/collectives_that_hang.py, judged by autograder/hidden/diagnoses.py. The visible checks print nothing after a pass.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, Remote
                                       cut_text, every_ranks_calls, judge_each_rank, observed,
                                       reported_tensors,
                                       run_student, safe_text, type_name)
-from ddpcourse.grading.exercises.read_the_logs import plain_answer
 from ddpcourse.grading.written_out import sum_and_norm, table_lookup
 from ddpcourse.launcher import wait_until_ready
 
@@ -533,16 +532,6 @@ HINTS = {
     "gather": "all_gather needs tensors of the same shape on every rank: gather the sizes "
               "first, pad to the largest, gather, then cut each rank's padding off",
 }
-
-DIAGNOSIS_TIMEOUT_S = 30.0  # one rank returning a dict; only a hang gets near it
-
-
-def observe_diagnosis(rank, world_size, diagnose):
-    """Call the student's ``diagnose_*()`` and keep what it returns as plain data (ints, bools,
-    strings, a short list of them), as read_the_logs keeps its answers. Nothing here knows the
-    right diagnosis: autograder/hidden/collectives_that_hang.py judges the observation."""
-    return {"answer": plain_answer(diagnose())}
-
 
 # Situations travel to the ranks as plain tuples.
 VISIBLE_LOG = [(4, 4, 0.1, 2, 0)]  # (rows, steps, lr, log_every, seed)

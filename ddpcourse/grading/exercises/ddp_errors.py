@@ -33,9 +33,9 @@ grader's side, which tests/test_grading_ddp_errors.py holds them to.
 Each lab also asks a diagnosis of the given code's failure (``diagnose_<lab>()``: which
 iteration, which parameter, how many all-reduces...). Its answer space is small enough to try
 every value against any check that tells right from wrong, so nothing here judges it or knows
-it: :func:`observe_diagnosis` only records the returned dict, and the expected facts, the judge
-and the explanation of each failure (printed in the graded feedback) live in
-autograder/hidden/ddp_errors.py. The visible checks print nothing after a pass.
+it: :func:`~ddpcourse.grading.exercises.read_the_logs.observe_diagnosis` only records the returned
+dict, and the expected facts and the explanation of each failure (printed in the graded feedback)
+live in autograder/hidden/ddp_errors.py, judged by autograder/hidden/diagnoses.py. The visible checks print nothing after a pass.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, cut_text,
                                       judge_each_rank, observed, run_student, safe_text)
-from ddpcourse.grading.exercises.read_the_logs import plain_answer
 from ddpcourse.grading.exercises.resumable_checkpoint import (_same_tensors, _start_audit,
                                                               _stop_audit, read_checkpoint,
                                                               shared_directory)
@@ -656,18 +655,6 @@ def judge_checkpointed(observations, world_size, s):
 UNUSED = Case(observe_unused, judge_unused, audit_traffic=True)
 RESUME = Case(observe_resume, judge_resume)
 CHECKPOINTED = Case(observe_checkpointed, judge_checkpointed)
-
-
-# --- the diagnoses: observed here, judged only by the hidden checks ---------------------------
-
-DIAGNOSIS_TIMEOUT_S = 30.0  # one rank returning a dict; only a hang gets near it
-
-
-def observe_diagnosis(rank, world_size, diagnose):
-    """Call the student's ``diagnose_*()`` and keep what it returns as plain data (ints, bools,
-    strings, a short list of them), as read_the_logs keeps its answers. Nothing here knows the
-    right diagnosis: autograder/hidden/ddp_errors.py judges the observation."""
-    return {"answer": plain_answer(diagnose())}
 
 
 # --- the visible checks -----------------------------------------------------------------------

@@ -253,6 +253,17 @@ def plain_answer(answer: Any) -> dict:
     return {key[:MAX_TEXT]: _plain(value) for key, value in answer.items()}
 
 
+# A diagnosis is one rank returning a dict: only a hang gets near this.
+DIAGNOSIS_TIMEOUT_S = 30.0
+
+
+def observe_diagnosis(rank, world_size, diagnose):
+    """Call a lab's ``diagnose_<lab>()`` (chapter 09's ddp_errors, collectives_that_hang,
+    replicas_that_disagree) and keep what it returns as plain data. Nothing here knows the right
+    diagnosis: autograder/hidden/diagnoses.py judges the observation."""
+    return {"answer": plain_answer(diagnose())}
+
+
 def observe_answers(rank, world_size, functions, labs, fields):
     """Call each of the student's ``answer_*`` functions; keep what they return as plain data."""
     functions = functions if isinstance(functions, tuple) else (functions,)

@@ -31,9 +31,9 @@ which tests/test_grading_replicas_that_disagree.py holds them to.
   own batch's statistics).
 
 Each lab also asks for a diagnosis (``diagnose_<lab>()``: facts of what its given code does).
-This module only observes it (:func:`observe_diagnosis`): the expected facts, their judge and
-the labs' explanations live in autograder/hidden/replicas_that_disagree.py, and no visible check
-looks at a diagnosis or prints an explanation.
+Nothing here knows or judges it: the expected facts and the labs' explanations live in
+autograder/hidden/replicas_that_disagree.py, judged by autograder/hidden/diagnoses.py, and no
+visible check looks at a diagnosis or prints an explanation.
 
 Tolerances: the ranks add the same numbers in another order than the judge does, and float32
 addition is not associative: within ``ATOL + RTOL * |w|`` (a right fix is at most ~1e-7 away,
@@ -59,7 +59,6 @@ from torch import nn
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, cut_text,
                                       every_ranks_calls, group_problem, judge_each_rank, observed,
                                       reported_tensors, run_student, safe_text, type_name)
-from ddpcourse.grading.exercises.read_the_logs import plain_answer
 from ddpcourse.grading.written_out import sum_and_norm, table_lookup
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
@@ -783,20 +782,6 @@ def judge_batchnorm(observations, world_size, situations):
 
 TEMPERATURE = Case(observe_temperature, judge_temperature)
 BATCHNORM = Case(observe_batchnorm, judge_batchnorm)
-
-
-# --- the diagnoses: observed here, judged only by the hidden checks ---------------------------
-#
-# Each lab asks, before the fix, for facts of what its given code does (``diagnose_<lab>()``
-# returns them as a dict). Their answer space is small, so this module holds no expected value
-# and no visible check looks at a diagnosis: autograder/hidden/replicas_that_disagree.py judges
-# them when the notebook is graded, and its feedback explains each lab.
-
-def observe_diagnosis(rank, world_size, diagnose, lab):
-    """Call the student's ``diagnose_<lab>()`` (no arguments) and report what it returned as
-    plain data, as read_the_logs keeps its answers. ``lab`` names the lab for the judge (the
-    case's argument)."""
-    return {"answer": plain_answer(diagnose())}
 
 
 def run_join(join_the_job, world_size: int, situations, **kwargs) -> None:
