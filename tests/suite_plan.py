@@ -59,16 +59,39 @@ def needs_a_gpu(item: pytest.Item) -> bool:
 READ_THE_RUN = ("tests/test_site.py",)
 
 
+# A file whose tests keep less than half a core busy, on average, mostly waits: on deliberate
+# timeouts (a fake class's deadlocked student), on SLURM's scheduler, on ranks that hang on
+# purpose. Two such files side by side leave the cores idle (the quiet run of 8826d39 had ~1 of
+# its 2 cores idle for 4 minutes while test_autograder.py, test_autograder_regrade.py,
+# test_grading_gaming.py and test_slurm_cluster.py ran together).
+WAITING_BELOW = 0.5
+
+
 def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
-    """The tests, file by file, the files in the order of their wall time in the committed
-    profile, longest first (a file not profiled yet counts as long): with ``--dist loadfile``
-    and ``--no-loadscope-reorder`` (pyproject.toml) the workers take the files in this order, so
-    no long file starts last and keeps one worker busy while the others idle. Within a file the
-    order is kept. The files of :data:`READ_THE_RUN` come last."""
-    seconds = suite_profile.recorded_file_seconds()
+    """The tests, file by file, in the order the workers should take the files (with
+    ``--dist loadfile`` and ``--no-loadscope-reorder``, pyproject.toml). From the committed
+    profile, the files fall in two lanes, those that keep the cores busy and those that mostly
+    wait (:data:`WAITING_BELOW`), each longest first; the order takes the next file from the lane
+    given less wall time so far, so a waiting file runs beside a busy one, not beside another
+    waiting one, and no long file starts last. A file not profiled yet counts as the longest, and busy;
+    the files of :data:`READ_THE_RUN` come last. Within a file the order is kept."""
+    recorded = suite_profile.recorded_file_seconds()
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    order = sorted(files, key=lambda name: (name in READ_THE_RUN,
-                                            -seconds.get(name, float("inf")) if seconds else 0))
+    longest = max((wall for wall, _ in recorded.values()), default=0.0)
+    lanes: dict[bool, list[tuple[float, str]]] = {True: [], False: []}  # waiting? -> files
+    for name in files:
+        if name not in READ_THE_RUN:
+            wall, cpu = recorded.get(name, (longest + 1, longest + 1))
+            lanes[wall > 0 and cpu / wall < WAITING_BELOW].append((wall, name))
+    for lane in lanes.values():
+        lane.sort(key=lambda entry: -entry[0])
+    order, given = [], {True: 0.0, False: 0.0}
+    while lanes[True] or lanes[False]:
+        waiting = bool(lanes[True]) and (not lanes[False] or given[True] < given[False])
+        wall, name = lanes[waiting].pop(0)
+        given[waiting] += wall
+        order.append(name)
+    order += [name for name in files if name in READ_THE_RUN]
     return [item for name in order for item in files[name]]

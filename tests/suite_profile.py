@@ -55,12 +55,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 COMMITTED = (RESULTS / "suite_profile_after.json", RESULTS / "suite_profile_before.json")
 
 
-def recorded_file_seconds() -> dict[str, float]:
-    """Wall seconds per test file (``tests/test_x.py``) in the newest committed profile; empty
-    if there is none."""
+def recorded_file_seconds() -> dict[str, tuple[float, float]]:
+    """(wall seconds, CPU seconds) per test file (``tests/test_x.py``) in the newest committed
+    profile; empty if there is none."""
     for path in COMMITTED:
         if path.exists():
-            return {entry["file"]: entry["wall_s"] for entry in json.loads(path.read_text())["files"]}
+            return {entry["file"]: (entry["wall_s"], entry["cpu_s"])
+                    for entry in json.loads(path.read_text())["files"]}
     return {}
 
 

@@ -127,16 +127,21 @@ def test_a_skip_for_want_of_a_gpu_is_what_the_gpu_marker_follows(reason, gpu):
 
 def test_the_files_start_longest_first_as_the_committed_profile_has_them(monkeypatch):
     """With --no-loadscope-reorder (pyproject.toml) the workers take files in this order; a file
-    the profile has not seen yet starts first (it may be long); a file's own order is kept."""
+    the profile has not seen yet starts first (it may be long); a file's own order is kept; a file
+    that mostly waits (under half a core busy) is put beside busy ones, never next to another."""
     from types import SimpleNamespace
 
     import suite_plan
     import suite_profile
 
-    monkeypatch.setattr(suite_profile, "recorded_file_seconds",
-                        lambda: {"tests/test_a.py": 10.0, "tests/test_b.py": 300.0})
+    monkeypatch.setattr(suite_profile, "recorded_file_seconds", lambda: {
+        "tests/test_a.py": (10.0, 9.0), "tests/test_b.py": (300.0, 280.0),
+        "tests/test_c.py": (200.0, 190.0), "tests/test_w1.py": (150.0, 30.0),
+        "tests/test_w2.py": (120.0, 20.0)})
     items = [SimpleNamespace(nodeid=n) for n in
-             ["tests/test_a.py::x", "tests/test_b.py::y", "tests/test_a.py::z", "tests/test_new.py::w"]]
+             ["tests/test_a.py::x", "tests/test_b.py::y", "tests/test_a.py::z", "tests/test_new.py::w",
+              "tests/test_w2.py::v", "tests/test_c.py::u", "tests/test_w1.py::t"]]
     assert [i.nodeid for i in suite_plan.longest_files_first(items)] == [
-        "tests/test_new.py::w", "tests/test_b.py::y", "tests/test_a.py::x", "tests/test_a.py::z"]
+        "tests/test_new.py::w", "tests/test_w1.py::t", "tests/test_w2.py::v", "tests/test_b.py::y",
+        "tests/test_c.py::u", "tests/test_a.py::x", "tests/test_a.py::z"]
     assert "--no-loadscope-reorder" in PYPROJECT["tool"]["pytest"]["ini_options"]["addopts"]
