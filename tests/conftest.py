@@ -6,7 +6,8 @@ Every test of a chapter's lesson, scripts, exercises or grading is marked with i
 needs a CUDA GPU is marked ``gpu``, so ``pytest -m gpu`` runs them all on a GPU machine.
 
 The suite records where its time goes (``tests/suite_profile.py``) and uses the committed record
-to start the longest test files first (``benchmarks/results/suite_profile_*.json``)."""
+to order the test files: longest first, a mostly waiting file beside a busy one
+(``tests/suite_plan.py``, ``benchmarks/results/suite_profile_*.json``)."""
 
 from __future__ import annotations
 
