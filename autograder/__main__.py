@@ -73,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     if opts.command == "override":
         return override(opts.out)
     from autograder.grade import GradingRefused, grade_class, print_summary
-    from autograder.worker import SANDBOX_POLICY
 
     if opts.student and opts.shard.count > 1:
         print("Refusing to grade: --student and --shard together; re-grade students into the "
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     except sandbox.SandboxUnavailable as refused:
         print(refused, file=sys.stderr)
         return 2
-    os.environ[SANDBOX_POLICY] = opts.sandbox  # the workers inherit it
+    os.environ[sandbox.POLICY_VARIABLE] = opts.sandbox  # the workers inherit it
 
     try:
         results = grade_class(opts.submissions, opts.assignment, opts.out, jobs=opts.jobs,

@@ -43,6 +43,7 @@ MiB = 1 << 20
 
 SandboxPolicy = Literal["require", "warn", "off"]
 POLICIES: tuple[str, ...] = ("require", "warn", "off")
+POLICY_VARIABLE = "DDPCOURSE_SANDBOX"  # the policy `grade --sandbox` hands its workers
 
 INSTALL_HINT = "install bubblewrap with `apt-get install -y bubblewrap` (Debian/Ubuntu)"
 NEEDS = ("the sandbox needs root, or unprivileged user namespaces "

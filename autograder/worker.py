@@ -69,7 +69,6 @@ def seconds_since_process_start() -> float | None:
         return max(uptime - started / os.sysconf("SC_CLK_TCK"), 0.0)
     except (OSError, ValueError, IndexError):
         return None
-SANDBOX_POLICY = "DDPCOURSE_SANDBOX"  # require, warn or off: set by ``grade --sandbox``
 
 
 def _setup_first(path: Path) -> bool:
@@ -296,7 +295,7 @@ def _prepare(job: dict) -> _Prepared:
         shutil.copyfile(job["empty_gradebook"],
                         config.CourseDirectory.db_url.removeprefix("sqlite:///"))
 
-    use_sandbox, sandbox_warning = sandbox.resolve(os.environ.get(SANDBOX_POLICY, "require"))
+    use_sandbox, sandbox_warning = sandbox.resolve(os.environ.get(sandbox.POLICY_VARIABLE, "require"))
     autograded = work / "autograded" / student / assignment
     kernel_dir, functions_dir, host_dir = (short_kernel_dir(), work / "graded_functions",
                                            work / "host")

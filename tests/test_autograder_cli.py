@@ -41,3 +41,20 @@ def test_grade_refuses_to_run_unsandboxed_unless_told(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert "Refusing to grade" in err and "bubblewrap is not installed" in err
     assert not (tmp_path / "out").exists()  # nothing graded, nothing written
+
+
+def test_the_grade_commands_own_process_does_not_import_torch(tmp_path):
+    """`grade` hands the students to workers; its own process needs no torch (importing it costs
+    a second or more of CPU, once per run and per shard). Run up to its refusal of an empty
+    class, past every import the command makes."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom autograder.__main__ import main\n"
+             f"code = main(['grade', {str(tmp_path)!r}, '--assignment', '00_setup', '--out', "
+             f"{str(tmp_path / 'out')!r}, '--sandbox', 'off'])\n"
+             "print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60)
+    assert "holds no submission" in done.stderr, done.stderr
+    assert done.stdout.strip() == "2 []", done.stdout

@@ -32,7 +32,7 @@ def test_the_kernel_of_a_64_character_student_id_under_a_long_output_path_runs(t
     work = deep / "out-of-the-autumn-term" / "work" / LONG_ID
     assert len(str(work / "kernel" / "ipc-1")) > 107  # where the sockets were: too long for one
     works, _ = sandbox.resolve("warn")
-    monkeypatch.setenv(worker.SANDBOX_POLICY, "require" if works else "off")
+    monkeypatch.setenv(sandbox.POLICY_VARIABLE, "require" if works else "off")
     for name in (worker.GRADED_FUNCTIONS, worker.GRADED_FUNCTIONS_DIR):
         monkeypatch.setenv(name, "")  # _prepare sets them for the worker process
     prepared = worker._prepare({"student": LONG_ID, "assignment": "00_setup",
