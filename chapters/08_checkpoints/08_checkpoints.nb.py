@@ -56,6 +56,7 @@ from ddpcourse.launcher import prestart, run_ranks
 
 sys.path.insert(0, str(Path.cwd()))  # the notebook runs in chapters/08_checkpoints
 prestart()
+scratch = tempfile.TemporaryDirectory(prefix="ch08_")  # its files go away with the kernel
 
 
 # %% [markdown]
@@ -248,7 +249,7 @@ import resume_bit_exact as rb
 from ddpcourse.launcher import run_bounded
 
 # Launched as documented, under torchrun (fresh processes; a hard deadline kills every worker).
-table_file = Path(tempfile.mkdtemp(prefix="ch08_resume_")) / "table.json"
+table_file = Path(tempfile.mkdtemp(prefix="ch08_resume_", dir=scratch.name)) / "table.json"
 launched = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc_per_node", "2", "resume_bit_exact.py", "--json", str(table_file)],
                        timeout=300)
@@ -415,7 +416,7 @@ print("claims contradicted:", cs.problems(crashes) or "none")
 # %%
 import fault_tolerance as ft
 
-fault_dir = tempfile.mkdtemp(prefix="ch08_fault_")
+fault_dir = tempfile.mkdtemp(prefix="ch08_fault_", dir=scratch.name)
 uninterrupted = ft.launch("uninterrupted", fault_dir)
 killed = ft.launch("SIGKILL, --max_restarts 1", fault_dir, fault="kill")
 print(ft.describe(uninterrupted, uninterrupted))
@@ -470,7 +471,7 @@ print("claims contradicted:", ft.reference_problems(uninterrupted)
 # %%
 import dcp_reshard as dr
 
-dcp_dir = tempfile.mkdtemp(prefix="ch08_dcp_")
+dcp_dir = tempfile.mkdtemp(prefix="ch08_dcp_", dir=scratch.name)
 saved = run_ranks(dr.save_mode, 2, dcp_dir, timeout=120)[0]
 dr.print_report(saved, "save")
 for world_size in (1, 4):
@@ -508,7 +509,7 @@ print("claims contradicted by the save:", dr.problems(saved, "save") or "none")
 # %%
 import async_checkpoint as ac
 
-async_dir = tempfile.mkdtemp(prefix="ch08_async_")
+async_dir = tempfile.mkdtemp(prefix="ch08_async_", dir=scratch.name)
 async_results = run_ranks(ac.run_all, 2, async_dir, timeout=120)
 for part, values in async_results[0].items():
     print(f"{part}:")
