@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from ddpcourse.launcher import (
     RankError,
     RankTimeoutError,
+    call_scratch_dir,
     rank_server_pids,
     resolve_backend,
     run_ranks,
@@ -62,6 +64,27 @@ def test_args_and_kwargs_reach_every_rank():
         (0, "x", [1, 2], {"k": 3}),
         (1, "x", [1, 2], {"k": 3}),
     ]
+
+
+def test_the_calls_scratch_folder_is_shared_by_its_ranks_and_goes_with_the_call():
+    """call_scratch_dir(): one folder per call, the same in every rank (rank 1 reads what rank 0
+    wrote), another in the next call, and gone once the call returns; outside a rank, the system's
+    temporary folder."""
+    def write_then_read(rank, world_size):
+        folder = call_scratch_dir()
+        if rank == 0:
+            with open(os.path.join(folder, "note"), "w") as f:
+                f.write("from rank 0")
+        dist.barrier()
+        with open(os.path.join(folder, "note")) as f:
+            return folder, f.read()
+
+    first = run_ranks(write_then_read, 2)
+    second = run_ranks(write_then_read, 2)
+    assert first[0] == first[1] and first[0][1] == "from rank 0"
+    assert second[0][0] != first[0][0]
+    assert not os.path.exists(first[0][0]) and not os.path.exists(second[0][0])
+    assert call_scratch_dir() == tempfile.gettempdir()
 
 
 def test_tensors_come_back_detached_on_the_cpu_inside_containers():

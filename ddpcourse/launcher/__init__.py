@@ -29,6 +29,8 @@ What it guarantees, and how:
   working directory and ``sys.path``, torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, ...),
   its own RNG seed, ``torch.set_num_threads(cores // world_size)``, and it may start DataLoader
   workers. Tensors come back detached on the CPU.
+* ``call_scratch_dir()``, inside a rank: a folder of the call, shared by its ranks, for files
+  needed only during the call; it goes with the call's other files when the call ends.
 
 Also public: :mod:`ddpcourse.launcher.errors` (the errors above, written for a student) and
 :mod:`ddpcourse.launcher.processes` (process-group, parent-death and orphan-counting helpers, and
@@ -54,7 +56,7 @@ from typing import Any, Callable
 from ddpcourse.launcher import _pickling
 from ddpcourse.launcher._call import Call
 from ddpcourse.launcher._interrupts import PHASES, interrupts_deferred, reached, set_phase_hook
-from ddpcourse.launcher._job import JobCall, JobFiles, JobSpec
+from ddpcourse.launcher._job import SCRATCH_VARIABLE, JobCall, JobFiles, JobSpec
 from ddpcourse.launcher._server_client import pool
 from ddpcourse.launcher.errors import RankError, RankFailure, RankTimeoutError
 from ddpcourse.launcher.processes import run_bounded
@@ -62,11 +64,19 @@ from ddpcourse.launcher.processes import run_bounded
 __all__ = [
     "run_ranks", "prestart", "resolve_backend", "RankError", "RankFailure", "RankTimeoutError",
     "run_bounded", "wait_until_warm", "wait_until_ready", "rank_server_pids", "usable_cores", "pickle_by_value",
-    "PHASES", "set_phase_hook",
+    "PHASES", "set_phase_hook", "call_scratch_dir",
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
 _call_lock = threading.Lock()
+
+
+def call_scratch_dir() -> str:
+    """Where a rank of :func:`run_ranks` keeps files that are needed only during the call (a
+    checkpoint that a check writes and reads back): a folder of the call, shared by its ranks and
+    removed with the call's other files when it ends. Outside a rank: the system's temporary
+    folder."""
+    return os.environ.get(SCRATCH_VARIABLE) or tempfile.gettempdir()
 
 
 def pickle_by_value(obj) -> bytes:

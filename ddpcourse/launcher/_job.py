@@ -11,6 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+# Set in each rank to the call's scratch folder (JobFiles.scratch; see launcher.call_scratch_dir).
+SCRATCH_VARIABLE = "DDPCOURSE_CALL_SCRATCH"
+
 
 @dataclass
 class JobSpec:
@@ -69,3 +72,8 @@ class JobFiles:
 
     def stacks(self, rank: int) -> str:
         return self._path(f"stacks-{rank}.txt")
+
+    @property
+    def scratch(self) -> str:
+        """A folder every rank of the call may write in; it goes with the call's files."""
+        return self._path("scratch")

@@ -25,7 +25,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ddpcourse.launcher._job import JobCall, JobFiles, JobSpec
+from ddpcourse.launcher._job import SCRATCH_VARIABLE, JobCall, JobFiles, JobSpec
 from ddpcourse.launcher.processes import set_parent_death_signal
 
 _EXIT_FAILED = 1
@@ -164,6 +164,8 @@ def run_rank(job_dir: str, rank: int) -> int:
         with open(files.spec, "rb") as f:
             spec: JobSpec = pickle.load(f)
         _adopt_parent_context(spec, rank)
+        os.makedirs(files.scratch, exist_ok=True)
+        os.environ[SCRATCH_VARIABLE] = files.scratch
         with open(files.call, "rb") as f:
             call: JobCall = pickle.load(f)
         _seed(spec, rank)

@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpcourse.grading.checks import (Case, CheckFailed, cut_text, judge_each_rank, observed,
                                       run_student, safe_text, together)
+from ddpcourse.launcher import call_scratch_dir
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 FILE_NAME = "checkpoint.pt"
@@ -157,8 +158,10 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
 
 
 def shared_directory(rank: int) -> str:
-    """A fresh directory that every rank of the case uses (rank 0 makes it)."""
-    made = [tempfile.mkdtemp(prefix="checkpoint-check-") if rank == 0 else None]
+    """A fresh directory that every rank of the case uses (rank 0 makes it, in the call's
+    scratch folder: it goes when the call ends)."""
+    made = [tempfile.mkdtemp(prefix="checkpoint-check-", dir=call_scratch_dir()) if rank == 0
+            else None]
     dist.broadcast_object_list(made, src=0)
     return made[0]
 

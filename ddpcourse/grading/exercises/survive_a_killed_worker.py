@@ -58,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpcourse.grading.checks import (Case, CheckFailed, CHECK_TIMEOUT_S, cut_text,
                                       judge_each_rank, observed, run_student, safe_text)
 from ddpcourse.grading.written_out import expect_digest
+from ddpcourse.launcher import call_scratch_dir
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 FEATURES, HIDDEN, ROWS = 6, 16, 8
@@ -278,6 +279,7 @@ def _launch_env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items()
            if key not in inherited and not key.startswith(("TORCHELASTIC_", "PET_"))}
     env["OMP_NUM_THREADS"] = "1"
+    env["TMPDIR"] = call_scratch_dir()  # torchrun's own log folder goes with the call's files
     return env
 
 
@@ -292,7 +294,7 @@ def _read_events(work: str) -> list:
 def observe_killed(rank, world_size, train, s):
     from ddpcourse.launcher import pickle_by_value, run_bounded
 
-    work = tempfile.mkdtemp(prefix="killed-worker-")
+    work = tempfile.mkdtemp(prefix="killed-worker-", dir=call_scratch_dir())
     os.mkdir(os.path.join(work, "checkpoints"))
     with open(os.path.join(work, "setting.json"), "w") as f:
         json.dump(s, f)
@@ -314,7 +316,8 @@ def observe_killed(rank, world_size, train, s):
 
 
 def _shared_directory(rank: int) -> str:
-    made = [tempfile.mkdtemp(prefix="stopped-training-") if rank == 0 else None]
+    made = [tempfile.mkdtemp(prefix="stopped-training-", dir=call_scratch_dir()) if rank == 0
+            else None]
     dist.broadcast_object_list(made, src=0)
     return made[0]
 
