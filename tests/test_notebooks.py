@@ -31,6 +31,14 @@ CELL_TIMEOUT_S = 300
 STUCK_AFTER_S = 240
 
 
+def kernel_faulthandler(stacks: Path) -> str:
+    """The kernel argument that arms the kernel's own faulthandler: on SIGABRT it writes its
+    threads' stacks to ``stacks``. (Not PYTHONFAULTHANDLER, which every process the lesson starts
+    would inherit, changing what its cells print; and not the kernel's stderr, a pipe of
+    ipykernel's that dies with it.)"""
+    return f"--IPKernelApp.exec_lines=__import__('faulthandler').enable(open({str(stacks)!r}, 'w'))"
+
+
 def _command_line(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -48,7 +56,7 @@ def make_the_stuck_say_where(done: threading.Event) -> None:
     """Make this test's stuck processes tell where they are: first its ranks get SIGABRT (a
     rank's faulthandler writes its stack, and ``run_ranks`` reports a rank that died so, with
     that stack, as the cell's error); 10 s later, unless ``done`` is set by then, the kernel too
-    (``PYTHONFAULTHANDLER``: its threads' stacks go to its stderr, which the test captures)."""
+    (:func:`kernel_faulthandler`)."""
     table = process_table()
     below = {pid: _command_line(pid) for pid in live_descendants(table=table)}
     servers = {pid for pid, line in below.items() if "launcher._rank_server" in line}
@@ -93,13 +101,18 @@ def test_lesson_notebooks_are_committed_without_outputs():
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_lesson_notebook_executes_and_draws_its_figures(path, monkeypatch):
+def test_lesson_notebook_executes_and_draws_its_figures(path, tmp_path):
     kept = executed_copy(path)
     kept.unlink(missing_ok=True)  # no stale copy survives a failing run
     nb = nbformat.read(path, as_version=4)
-    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")  # the kernel's, should stacks_if_stuck abort it
-    with stacks_if_stuck(STUCK_AFTER_S):
-        execute_notebook(nb, path.parent, CELL_TIMEOUT_S)
+    stacks = tmp_path / "kernel-stacks.txt"
+    try:
+        with stacks_if_stuck(STUCK_AFTER_S):
+            execute_notebook(nb, path.parent, CELL_TIMEOUT_S,
+                             extra_arguments=[kernel_faulthandler(stacks)])
+    finally:
+        if stacks.exists() and stacks.stat().st_size:
+            print(f"The kernel's stacks when it was aborted:\n{stacks.read_text()}")
     draws = [c for c in nb.cells if c.cell_type == "code" and "plt." in c.source]
     for cell in draws:
         images = [o for o in cell.outputs if "image/png" in o.get("data", {})]
