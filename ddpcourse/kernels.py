@@ -46,9 +46,18 @@ def ipc_client(nb, socket_dir: str, cwd: Path, timeout: int, kernel_name: str = 
     if config is not None:
         merged.merge(config)
     extra = [*client_options.pop("extra_arguments", []), FAST_EXIT_ARGUMENT]
-    return NotebookClient(nb, config=merged, kernel_name=kernel_name, extra_arguments=extra,
-                          timeout=timeout, resources={"metadata": {"path": str(cwd)}},
-                          **client_options)
+    client = NotebookClient(nb, config=merged, kernel_name=kernel_name, extra_arguments=extra,
+                            timeout=timeout, resources={"metadata": {"path": str(cwd)}},
+                            **client_options)
+    # No front-end Output widgets: nbclient's (nbclient/output_widget.py) answers every output an
+    # Output widget captures with a comm_msg on the shell channel while the cell still runs, and
+    # with ipykernel 7 a cell that did so (lesson 11's ipywidgets.interact) sometimes never got
+    # its execute_reply: the kernel idle, every thread of it waiting (its stacks, from a quiet run),
+    # the client waiting for the reply until the test's timeout - ipykernel 7 answers the shell
+    # from a thread of its own and has lost shell messages before (ipython/ipykernel#1529, #1554).
+    # Nothing here shows a widget's output: the course site replaces widgets with a note.
+    client.widget_registry = {}
+    return client
 
 
 def execute_notebook(nb, cwd: Path, timeout: int, **client_options):
