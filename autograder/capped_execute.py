@@ -36,6 +36,8 @@ from nbgrader.preprocessors import Execute
 from nbgrader.utils import is_grade
 from traitlets import Integer
 
+from ddpcourse.kernels import without_output_widget_mirror
+
 # The kernel-side cap of the locked setup cell (ddpcourse/grading/notebook_guard.py), which this
 # module does not import: that would bring torch into the grading process.
 MAX_CELL_OUTPUT_BYTES = 200_000
@@ -170,6 +172,10 @@ class CappedExecute(Execute):
              "does not fit under the caps: it is kept all the same, because the grade depends "
              "on it",
     ).tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        without_output_widget_mirror(self)  # as the course's other headless runs
 
     def reset_execution_trackers(self) -> None:
         super().reset_execution_trackers()

@@ -295,7 +295,8 @@ def _prepare(job: dict) -> _Prepared:
         shutil.copyfile(job["empty_gradebook"],
                         config.CourseDirectory.db_url.removeprefix("sqlite:///"))
 
-    use_sandbox, sandbox_warning = sandbox.resolve(os.environ.get(sandbox.POLICY_VARIABLE, "require"))
+    policy = os.environ.get(sandbox.POLICY_VARIABLE, "require")
+    use_sandbox, sandbox_warning = sandbox.resolve(policy)
     autograded = work / "autograded" / student / assignment
     kernel_dir, functions_dir, host_dir = (short_kernel_dir(), work / "graded_functions",
                                            work / "host")

@@ -38,6 +38,18 @@ FAST_EXIT = "__import__('atexit').register(__import__('gc').freeze)"
 FAST_EXIT_ARGUMENT = f"--IPKernelApp.exec_lines={FAST_EXIT}"
 
 
+def without_output_widget_mirror(client: NotebookClient) -> None:
+    """Stop ``client`` from mirroring Output widgets. nbclient's mirror (nbclient/output_widget.py)
+    answers every output an Output widget captures with a comm_msg on the shell channel while the
+    cell still runs, and with ipykernel 7 a cell that did so (lesson 11's ipywidgets.interact)
+    sometimes never got its execute_reply: the kernel idle, every thread of it waiting (its stacks,
+    from a quiet run), the client waiting for the reply until its timeout. ipykernel 7 answers the
+    shell from a thread of its own and has lost shell messages before (ipython/ipykernel#1529,
+    #1554). Nothing run headless shows a widget's output: the course site replaces widgets with a
+    note, and a grade never reads one."""
+    client.widget_registry = {}
+
+
 def ipc_client(nb, socket_dir: str, cwd: Path, timeout: int, kernel_name: str = "python3",
                config: Config | None = None, **client_options) -> NotebookClient:
     """A NotebookClient that starts (and, owning it, shuts down) an IPC kernel in ``cwd``;
@@ -49,14 +61,7 @@ def ipc_client(nb, socket_dir: str, cwd: Path, timeout: int, kernel_name: str = 
     client = NotebookClient(nb, config=merged, kernel_name=kernel_name, extra_arguments=extra,
                             timeout=timeout, resources={"metadata": {"path": str(cwd)}},
                             **client_options)
-    # No front-end Output widgets: nbclient's (nbclient/output_widget.py) answers every output an
-    # Output widget captures with a comm_msg on the shell channel while the cell still runs, and
-    # with ipykernel 7 a cell that did so (lesson 11's ipywidgets.interact) sometimes never got
-    # its execute_reply: the kernel idle, every thread of it waiting (its stacks, from a quiet run),
-    # the client waiting for the reply until the test's timeout - ipykernel 7 answers the shell
-    # from a thread of its own and has lost shell messages before (ipython/ipykernel#1529, #1554).
-    # Nothing here shows a widget's output: the course site replaces widgets with a note.
-    client.widget_registry = {}
+    without_output_widget_mirror(client)
     return client
 
 

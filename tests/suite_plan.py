@@ -73,8 +73,8 @@ def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
     profile, the files fall in two lanes, those that keep the cores busy and those that mostly
     wait (:data:`WAITING_BELOW`), each longest first; the order takes the next file from the lane
     given less wall time so far, so a waiting file runs beside a busy one, not beside another
-    waiting one, and no long file starts last. A file not profiled yet counts as the longest, and busy;
-    the files of :data:`READ_THE_RUN` come last. Within a file the order is kept."""
+    waiting one, and no long file starts last. A file not profiled yet counts as the longest,
+    and busy; the files of :data:`READ_THE_RUN` come last. Within a file the order is kept."""
     recorded = suite_profile.recorded_file_seconds()
     files: dict[str, list[pytest.Item]] = {}
     for item in items:

@@ -636,15 +636,15 @@ def test_the_solution_diagnosis_passes_and_each_wrong_field_fails_named(lab):
     """The solution's answer is the hidden module's; a wrong value in any one field, or a
     missing field, fails with that field named (and only it)."""
     right = diagnosis(lab)()
-    assert hidden.DIAGNOSED.wrong_fields(lab, right) == []
+    wrong_fields = hidden.DIAGNOSED.wrong_fields
+    assert wrong_fields(lab, right) == []
     assert right.keys() == hidden.DIAGNOSES[lab].keys()
     for field, value in right.items():
-        wrong = hidden.DIAGNOSED.wrong_fields(lab, {**right, field: wrong_value(hidden.KINDS[field],
-                                                                         value)})
+        wrong = wrong_fields(lab, {**right, field: wrong_value(hidden.KINDS[field], value)})
         assert len(wrong) == 1 and wrong[0].startswith(f"{field!r} = "), wrong
-        missing = hidden.DIAGNOSED.wrong_fields(lab, {k: v for k, v in right.items() if k != field})
+        missing = wrong_fields(lab, {k: v for k, v in right.items() if k != field})
         assert len(missing) == 1 and missing[0].startswith(f"{field!r} is missing"), missing
-    assert hidden.DIAGNOSED.wrong_fields(lab, {**right, next(iter(right)): "1"})[0].endswith("not '1'")
+    assert wrong_fields(lab, {**right, next(iter(right)): "1"})[0].endswith("not '1'")
 
 
 def test_the_hidden_diagnosis_checks_run_the_submitted_function_and_always_explain(host, capsys):

@@ -289,3 +289,23 @@ def test_the_grader_does_not_wait_for_a_leftover_process_that_keeps_writing(tmp_
         assert worker.log_path.stat().st_size < grade.MAX_LOG_BYTES + 200
     finally:
         grade.kill_process_group(worker.process.pid, grade.signal.SIGKILL, group_only=True)
+
+
+def test_headless_runs_do_not_mirror_output_widgets(tmp_path):
+    """Neither the grader's preprocessor nor the course's notebook client mirrors Output widgets
+    (ddpcourse.kernels.without_output_widget_mirror: the mirror writes to the kernel's shell while
+    a cell runs, and a widget cell under ipykernel 7 then sometimes never got its reply). What an
+    Output widget captures comes back as the cell's own output instead."""
+    import nbformat
+
+    from autograder.capped_execute import CappedExecute
+    from ddpcourse.kernels import execute_notebook
+
+    pytest.importorskip("ipywidgets")
+    assert CappedExecute().widget_registry == {}
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import ipywidgets\nout = ipywidgets.Output()\ndisplay(out)\n"
+        "with out:\n    print('captured by the widget')")])
+    execute_notebook(nb, tmp_path, 60)
+    streams = [o for o in nb.cells[0].outputs if o.output_type == "stream"]
+    assert [o.text for o in streams] == ["captured by the widget\n"]

@@ -27,7 +27,8 @@ blocked in what, at which step, which collective met which). Its answer space is
 try every value against any check that tells right from wrong, so nothing here judges it or knows
 it: :func:`~ddpcourse.grading.exercises.read_the_logs.observe_diagnosis` only records the returned
 dict, and the expected facts and the explanation of each failure (printed in the graded feedback)
-live in autograder/hidden/collectives_that_hang.py, judged by autograder/hidden/diagnoses.py. The visible checks print nothing after a pass.
+live in autograder/hidden/collectives_that_hang.py, judged by autograder/hidden/diagnoses.py.
+The visible checks print nothing after a pass.
 """
 
 from __future__ import annotations

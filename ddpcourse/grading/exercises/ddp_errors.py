@@ -35,7 +35,8 @@ iteration, which parameter, how many all-reduces...). Its answer space is small 
 every value against any check that tells right from wrong, so nothing here judges it or knows
 it: :func:`~ddpcourse.grading.exercises.read_the_logs.observe_diagnosis` only records the returned
 dict, and the expected facts and the explanation of each failure (printed in the graded feedback)
-live in autograder/hidden/ddp_errors.py, judged by autograder/hidden/diagnoses.py. The visible checks print nothing after a pass.
+live in autograder/hidden/ddp_errors.py, judged by autograder/hidden/diagnoses.py. The visible
+checks print nothing after a pass.
 """
 
 from __future__ import annotations
