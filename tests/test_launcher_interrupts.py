@@ -15,12 +15,14 @@ one fresh Python process (and plain ``import torch`` in another, at the same tim
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from ddpcourse.launcher import interrupts_deferred
 from ddpcourse.launcher.processes import run_bounded
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
@@ -253,3 +255,42 @@ def test_while_the_ranks_run(outcomes):
 
 def test_the_next_call_still_works(outcomes):
     assert outcomes[0]["next call"] == [2.0, 2.0]
+
+
+def test_a_signal_held_back_by_a_block_is_delivered_as_it_ends():
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)
+            reached_the_end_of_the_block = True
+    assert reached_the_end_of_the_block
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_pending_as_a_block_starts_leaves_every_handler_as_it_was(monkeypatch):
+    """``signal.signal`` first runs the handlers of signals already pending (CPython's
+    ``signal_signal_impl``). A SIGTERM pending as the block replaces SIGTERM's handler, after
+    SIGINT's, raises from there: SIGINT's handler must be put back all the same, or every later
+    Ctrl-C of the process would be held back for good."""
+    class Terminated(Exception):
+        pass
+
+    def on_sigterm(_signum, _frame):
+        raise Terminated
+
+    real_signal = signal.signal
+    real_signal(signal.SIGTERM, on_sigterm)
+    try:
+        def signal_with_sigterm_pending(signum, handler):
+            if signum == signal.SIGTERM and handler is not on_sigterm:
+                signal.getsignal(signal.SIGTERM)(signum, None)  # the pending one, handled first
+            return real_signal(signum, handler)
+
+        monkeypatch.setattr(signal, "signal", signal_with_sigterm_pending)
+        with pytest.raises(Terminated):
+            with interrupts_deferred((signal.SIGINT, signal.SIGTERM)):
+                pytest.fail("the block ran although starting it raised")
+        monkeypatch.undo()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is on_sigterm
+    finally:
+        real_signal(signal.SIGTERM, signal.SIG_DFL)

@@ -48,13 +48,17 @@ def interrupts_deferred(signals: tuple[int, ...] = (signal.SIGINT,)) -> Iterator
         yield
         return
     held: list[int] = []
-    for signum in signals:
-        signal.signal(signum, lambda received, _frame: held.append(received))
+    replaced: list[int] = []
     try:
+        for signum in signals:
+            # signal.signal first runs the handlers of signals already pending: a SIGTERM pending
+            # as SIGINT's is replaced raises here, and SIGINT's must still be put back.
+            signal.signal(signum, lambda received, _frame: held.append(received))
+            replaced.append(signum)
         yield
     finally:
-        for signum, handler in callers_handlers.items():
-            signal.signal(signum, handler)
+        for signum in replaced:
+            signal.signal(signum, callers_handlers[signum])
         for signum in dict.fromkeys(held):
             signal.raise_signal(signum)  # the caller's handler: KeyboardInterrupt by default
 
