@@ -258,10 +258,9 @@ def test_the_next_call_still_works(outcomes):
 
 
 def test_a_signal_held_back_by_a_block_is_delivered_as_it_ends():
-    with pytest.raises(KeyboardInterrupt):
-        with interrupts_deferred():
-            signal.raise_signal(signal.SIGINT)
-            reached_the_end_of_the_block = True
+    with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+        signal.raise_signal(signal.SIGINT)
+        reached_the_end_of_the_block = True
     assert reached_the_end_of_the_block
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
@@ -286,9 +285,8 @@ def test_a_signal_pending_as_a_block_starts_leaves_every_handler_as_it_was(monke
             return real_signal(signum, handler)
 
         monkeypatch.setattr(signal, "signal", signal_with_sigterm_pending)
-        with pytest.raises(Terminated):
-            with interrupts_deferred((signal.SIGINT, signal.SIGTERM)):
-                pytest.fail("the block ran although starting it raised")
+        with pytest.raises(Terminated), interrupts_deferred((signal.SIGINT, signal.SIGTERM)):
+            pytest.fail("the block ran although starting it raised")
         monkeypatch.undo()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) is on_sigterm
