@@ -11,6 +11,7 @@ to order the test files: longest first, a mostly waiting file beside a busy one
 
 from __future__ import annotations
 
+import signal
 import time
 
 import chapter_launch
@@ -30,6 +31,12 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_configure(config):
+    # Ctrl-C as at a terminal, however pytest was started: a shell without job control starts a
+    # background command (`pytest &` in a script, `nohup pytest &`) with SIGINT ignored, which
+    # Python then leaves ignored, and so would every process the tests start. The tests that send
+    # a Ctrl-C (to run_ranks, a grading command, a chapter script) would see it lost.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     suite_profile.register(config)  # where the time goes: build/suite_profile/last/
     if not hasattr(config, "workerinput"):  # the run's controller, or a run without workers
         chapter_launch.forget_earlier_runs()  # launches shared within a run: build/launches/
