@@ -13,9 +13,10 @@ from ddpcourse.launcher import usable_cores
 
 # A test process with its work running keeps about two cores busy (most tests launch two ranks,
 # a kernel whose cells launch two ranks, or torchrun with two workers) and holds up to ~3 GiB
-# (its two rank servers, a kernel, torch in each rank). Three on 2 cores (measured: cores 97 %
-# busy against 85 %, the suite 6 % sooner in one quiet run) made the tests that time a Ctrl-C
-# (tests/test_launcher.py, test_chapter_10_throttled_network.py) fail in the next: two stay.
+# (its two rank servers, a kernel, torch in each rank). Three on 2 cores gained little and cost
+# a deadline: a fresh clone's .ci/run took 1274 s against 1314 s with two (quiet, an hour apart,
+# 2404 against 2276 busy core-seconds), and a graded torchrun job with a killed worker missed its
+# 90 s deadline. Two stay.
 CORES_PER_WORKER = 2
 GIB_PER_WORKER = 3
 MAX_WORKERS = 8
