@@ -14,9 +14,9 @@ from ddpcourse.launcher import usable_cores
 # A test process with its work running keeps about two cores busy (most tests launch two ranks,
 # a kernel whose cells launch two ranks, or torchrun with two workers) and holds up to ~3 GiB
 # (its two rank servers, a kernel, torch in each rank). Three on 2 cores gained little and cost
-# a deadline: a fresh clone's .ci/run took 1274 s against 1314 s with two (quiet, an hour apart,
-# 2404 against 2276 busy core-seconds), and a graded torchrun job with a killed worker missed its
-# 90 s deadline. Two stay.
+# a deadline: a fresh clone's .ci/run took 1274 s (2404 busy core-seconds) against 1314 s and
+# 1269 s with two (2276 and 2231), the quiet runs just before and after it; and a graded torchrun
+# job with a killed worker missed its 90 s deadline. Two stay.
 CORES_PER_WORKER = 2
 GIB_PER_WORKER = 3
 MAX_WORKERS = 8
