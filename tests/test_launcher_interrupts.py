@@ -277,7 +277,7 @@ def test_a_signal_pending_as_a_block_starts_leaves_every_handler_as_it_was(monke
         raise Terminated
 
     real_signal = signal.signal
-    real_signal(signal.SIGTERM, on_sigterm)
+    callers_sigterm = real_signal(signal.SIGTERM, on_sigterm)
     try:
         def signal_with_sigterm_pending(signum, handler):
             if signum == signal.SIGTERM and handler is not on_sigterm:
@@ -291,4 +291,4 @@ def test_a_signal_pending_as_a_block_starts_leaves_every_handler_as_it_was(monke
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) is on_sigterm
     finally:
-        real_signal(signal.SIGTERM, signal.SIG_DFL)
+        real_signal(signal.SIGTERM, callers_sigterm)
