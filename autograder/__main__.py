@@ -95,7 +95,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Refusing to grade: {refused}", file=sys.stderr)
         return 2
     print_summary(results, opts.out)
-    return 0
+    return report_grader_errors(results)
+
+
+GRADER_FAILED = 3  # grade/merge's exit code when the grader itself failed on some notebooks
+
+
+def report_grader_errors(results: list[dict]) -> int:
+    """0, or GRADER_FAILED after saying on stderr which students' notebooks the grader itself
+    could not grade (its fault, not theirs) and how to grade them again once it is fixed."""
+    broken = [r for r in results if r.get("grader_errors") or r["status"] == "grader error"]
+    if not broken:
+        return 0
+    print("\nGRADER ERROR: the grader itself failed, not the students' code. The other "
+          "notebooks are graded; these are not (their cells score 0 until graded again):",
+          file=sys.stderr)
+    for result in broken:
+        errors = result.get("grader_errors") or {"(all notebooks)": "; ".join(result["notes"])}
+        for slug, why in sorted(errors.items()):
+            print(f"  {result['student']}: {slug}: {why[:500]}", file=sys.stderr)
+    print("Fix the grader (the message names the notebook and cell), then grade these students "
+          "again with --student NAME into the same --out.", file=sys.stderr)
+    return GRADER_FAILED
 
 
 def merge(outputs: list[Path], out: Path) -> int:
@@ -119,7 +140,7 @@ def merge(outputs: list[Path], out: Path) -> int:
     parts = ", ".join(f"{part['path']} ({part['submissions']})" for part in summary["merged_from"])
     print(f"{summary['submissions']} submissions of {summary['assignment']} merged from {parts}; "
           f"grades: {out / 'grades.csv'}; feedback: {out / 'feedback'}")
-    return 0
+    return report_grader_errors(summary["results"])
 
 
 def override(out: Path) -> int:

@@ -22,7 +22,6 @@ arguments of each case, never the hidden modules or the solutions.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import importlib
 import io
@@ -38,9 +37,10 @@ from typing import Callable, Sequence
 
 import nbformat
 
+from autograder.cell_grammar import CellGrammarError, CheckCall, parse_graded_cell
 from autograder.notices import GRADER_NOTE
 from ddpcourse.grading.checks import CheckFailed, RemoteFunction, UnpickledTogether
-from ddpcourse.grading.exercises import CHECKS_PACKAGE, hidden_checks
+from ddpcourse.grading.exercises import CHECKS_PACKAGE
 from ddpcourse.grading.frames import (FrameError, read_frame, tensors_from_bytes,
                                       tensors_to_bytes, write_frame)
 from ddpcourse.launcher import RankError, RankFailure, RankTimeoutError
@@ -240,13 +240,6 @@ class SubmittedFunction(RemoteFunction):
 
 
 @dataclass(frozen=True)
-class CheckCall:
-    module: str  # ddpcourse.grading.exercises.SLUG or autograder.hidden.SLUG
-    check: str
-    arguments: tuple[str, ...]  # names of the notebook's graded functions
-
-
-@dataclass(frozen=True)
 class GradedCell:
     grade_id: str
     points: float
@@ -254,30 +247,27 @@ class GradedCell:
 
 
 def graded_cells(source_notebook: Path) -> list[GradedCell]:
-    """The graded cells of a trusted source notebook, with the check calls each makes."""
+    """The graded cells of a trusted source notebook, with the check calls each makes, read by
+    :mod:`autograder.cell_grammar`; CellGrammarError for a cell it cannot read or a check its
+    module does not have (the grader's problem: found before any student code runs)."""
     slug = source_notebook.stem
-    modules = {"checks": f"{CHECKS_PACKAGE}.{slug}", "hidden": hidden_checks(slug)}
     cells = []
     for cell in nbformat.read(source_notebook, as_version=4).cells:
         meta = cell.metadata.get("nbgrader", {})
         if cell.cell_type != "code" or not meta.get("grade"):
             continue
-        calls = []
-        for node in ast.walk(ast.parse(cell.source)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id in modules):
-                names = tuple(arg.id for arg in node.args if isinstance(arg, ast.Name))
-                if len(names) != len(node.args) or node.keywords:
-                    raise ValueError(f"{source_notebook.name}, cell {meta['grade_id']}: a check "
-                                     "may only be given the notebook's functions by name")
-                calls.append(CheckCall(modules[node.func.value.id], node.func.attr, names))
-        cells.append(GradedCell(meta["grade_id"], float(meta.get("points", 0)), tuple(calls)))
+        where = f"{source_notebook.name}, cell {meta.get('grade_id')}"
+        calls = parse_graded_cell(cell.source, slug, where)
+        for call in calls:
+            if not callable(getattr(importlib.import_module(call.module), call.check, None)):
+                raise CellGrammarError(f"{where}: {call.module} has no {call.check}")
+        cells.append(GradedCell(meta["grade_id"], float(meta.get("points", 0)), calls))
     return cells
 
 
 def graded_names(cells: Sequence[GradedCell]) -> list[str]:
     """The notebook's functions the checks are given (what the kernel must leave behind)."""
-    return sorted({name for cell in cells for call in cell.calls for name in call.arguments})
+    return sorted({name for cell in cells for call in cell.calls for name in call.names})
 
 
 MAX_PRINTED_CHARS = 20_000  # of what a cell's checks print when they pass, in its feedback
@@ -290,6 +280,7 @@ class CellVerdict:
     score: float
     message: str  # empty when passed
     printed: str = ""  # what the checks printed on a pass (e.g. an explanation the lab reveals)
+    grader_fault: bool = False  # the grader, not the student, failed: the instructor must know
 
 
 def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
@@ -299,15 +290,15 @@ def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
     :class:`~autograder.relayed.RelayedRanks`, for the cases that audit communication."""
     verdicts = []
     for cell in cells:
-        message, printed = "", io.StringIO()
+        message, printed, fault = "", io.StringIO(), False
         for call in cell.calls:
-            missing = [name for name in call.arguments if name not in payloads]
+            missing = [name for name in call.names if name not in payloads]
             if missing:
                 message = (f"{', '.join(missing)} was not defined when the notebook finished (or "
                            "could not be sent to the ranks)")
                 break
-            functions = [SubmittedFunction(name, payloads[name], host, relayed)
-                         for name in call.arguments]
+            functions = [submitted(argument, payloads, host, relayed)
+                         for argument in call.arguments]
             check = getattr(importlib.import_module(call.module), call.check)
             try:
                 with contextlib.redirect_stdout(printed):
@@ -316,12 +307,40 @@ def grade_cells(cells: Sequence[GradedCell], payloads: dict[str, bytes],
                 message = str(failed)
                 break
             except Exception as exc:  # noqa: BLE001 - the grader's own failure, not the student's
-                message = (f"the grader could not run {call.check}: {type(exc).__name__}: {exc}. "
-                           "Tell your instructor.")
+                message, fault = grader_fault_message(
+                    f"could not run {call.check}: {type(exc).__name__}: {exc}"), True
                 break
         verdicts.append(CellVerdict(cell.grade_id, cell.points, 0.0 if message else cell.points,
                                     message, "" if message else
-                                    printed.getvalue()[:MAX_PRINTED_CHARS]))
+                                    printed.getvalue()[:MAX_PRINTED_CHARS], fault))
+    return verdicts
+
+
+def submitted(names: tuple[str, ...], payloads: dict[str, bytes], host: ObservationHost,
+              relayed=None) -> SubmittedFunction:
+    """One argument of a check: a function, or several given together (``together(a, b)``)."""
+    first, *others = (SubmittedFunction(name, payloads[name], host, relayed) for name in names)
+    return first.together_with(*others) if others else first
+
+
+def grader_fault_message(what: str) -> str:
+    """A cell's message when the grader itself failed: the student is told it is not their
+    doing, and that the instructor has been told (``grade`` exits non-zero, naming it)."""
+    return (f"The grader failed here, not your code: it {what}. Your instructor has been told "
+            "(the grading command reports it) and will grade this notebook again.")
+
+
+def grader_error_verdicts(source_notebook: Path, why: str) -> list[CellVerdict]:
+    """Zero, with the grader's reason, for every graded cell of a notebook the grader could not
+    prepare (read from its nbgrader metadata alone, which needs nothing that failed)."""
+    verdicts = []
+    for cell in nbformat.read(source_notebook, as_version=4).cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code" and meta.get("grade"):
+            verdicts.append(CellVerdict(meta["grade_id"], float(meta.get("points", 0)), 0.0,
+                                        grader_fault_message(f"could not read this notebook's "
+                                                             f"tests: {why}"),
+                                        grader_fault=True))
     return verdicts
 
 

@@ -240,6 +240,7 @@ class _Prepared:
     config: Config
     graded_outside: dict  # slug -> the graded cells of a notebook graded outside the kernel
     in_kernel: list[str]  # slugs still graded in the kernel
+    grader_errors: dict  # slug -> why the grader could not prepare that notebook (its fault)
     flags: list[str]
     moved: list[str]
     sandbox_warning: str | None
@@ -302,7 +303,7 @@ def _prepare(job: dict) -> _Prepared:
                                            work / "host")
     for folder in (kernel_dir, functions_dir, host_dir, autograded):
         folder.mkdir(parents=True, exist_ok=True)
-    in_kernel = sorted(nb.stem for nb in source.glob("*.ipynb") if not trusted.graded_here(nb.stem))
+    graded_outside, in_kernel, grader_errors = _read_trusted_sources(source, assignment)
     # nbgrader deletes and remakes the student's autograded folder: bind its parent, which stays.
     kernel_box, host_box = (_sandboxes(work, autograded.parent.parent, kernel_dir, functions_dir,
                                        host_dir, bool(in_kernel))
@@ -314,16 +315,35 @@ def _prepare(job: dict) -> _Prepared:
     flags = [str(f) for nb in sorted(submitted.glob("*.ipynb")) for f in scan_notebook(nb, locked)]
     moved = [nb.name for nb in sorted(submitted.glob("*.ipynb")) if _setup_first(nb)]
 
-    graded_outside = {nb.stem: trusted.graded_cells(REPO / "solutions" / assignment / nb.name)
-                      for nb in sorted(source.glob("*.ipynb")) if trusted.graded_here(nb.stem)}
-    for slug in graded_outside:
+    for slug in (*graded_outside, *grader_errors):
         trusted.stand_in_test_cells(source / f"{slug}.ipynb")
     os.environ[GRADED_FUNCTIONS_DIR] = str(functions_dir)
     os.environ[GRADED_FUNCTIONS] = ",".join(
         sorted({name for cells in graded_outside.values() for name in trusted.graded_names(cells)}))
-    return _Prepared(student, assignment, work, config, graded_outside, in_kernel, flags, moved,
-                     sandbox_warning, kernel_box, host_box, started, kernel_dir,
+    return _Prepared(student, assignment, work, config, graded_outside, in_kernel, grader_errors,
+                     flags, moved, sandbox_warning, kernel_box, host_box, started, kernel_dir,
                      job.get("duedate"), job.get("cleared_flag"))
+
+
+def _read_trusted_sources(source: Path, assignment: str) -> tuple[dict, list[str], dict]:
+    """Each notebook's graded cells as the trusted source says (slug -> cells), the notebooks
+    still graded in the kernel, and the notebooks the grader could not prepare (slug -> why).
+
+    One notebook the grader cannot read (a test cell outside :mod:`autograder.cell_grammar`, a
+    check its module lacks, a checks module that fails to import) is the grader's problem: the
+    assignment's other notebooks are graded all the same, and that one is reported."""
+    graded_outside, in_kernel, grader_errors = {}, [], {}
+    for notebook in sorted(source.glob("*.ipynb")):
+        slug = notebook.stem
+        try:
+            if trusted.graded_here(slug):
+                graded_outside[slug] = trusted.graded_cells(
+                    REPO / "solutions" / assignment / notebook.name)
+            else:
+                in_kernel.append(slug)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is the grader's, not theirs
+            grader_errors[slug] = f"{type(exc).__name__}: {exc}"
+    return graded_outside, in_kernel, grader_errors
 
 
 def _rank_host(prepared: _Prepared, rank: int, relay_dir: Path) -> trusted.ObservationHost:
@@ -393,6 +413,7 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
     if prepared.moved:
         notes.append(f"the setup cell had been moved; it was put back first in {prepared.moved}")
     feedback_dir = prepared.work / "feedback" / student / assignment
+    grader_errors = dict(prepared.grader_errors)
     for slug, cells in prepared.graded_outside.items():
         notebook = autograded / f"{slug}.ipynb"
         if notebook.exists():
@@ -403,6 +424,23 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
                                     verdicts)
             trusted.annotate(notebook, verdicts)
             notes.append(f"{slug}: scores computed outside the notebook")
+            faults = [f"{v.grade_id}: {v.message}" for v in verdicts if v.grader_fault]
+            if faults:
+                grader_errors[slug] = "; ".join(faults)
+    for slug, why in prepared.grader_errors.items():
+        notebook = autograded / f"{slug}.ipynb"
+        if notebook.exists():  # its stand-in cells passed in the kernel: they score nothing
+            verdicts = trusted.grader_error_verdicts(REPO / "solutions" / assignment /
+                                                     f"{slug}.ipynb", why)
+            trusted.record_verdicts(config.CourseDirectory.db_url, assignment, slug, student,
+                                    verdicts)
+            trusted.annotate(notebook, verdicts)
+            _open_with_warning(notebook, f"This notebook was not graded: the grader failed "
+                                         f"({why}). That is not your doing; your instructor "
+                                         "has been told and will grade it again.")
+    notes[:0] = [f"GRADER ERROR in {slug} (the grader's fault, not the student's: its cells "
+                 f"score 0 until it is fixed and graded again): {why}"
+                 for slug, why in sorted(grader_errors.items())]
     late_penalty.reassess(config, assignment, student)
     if prepared.sandbox_warning:
         for notebook in sorted(autograded.glob("*.ipynb")):
@@ -449,6 +487,7 @@ def _grade(prepared: _Prepared, host: trusted.ObservationHost, relayed: RelayedR
         _export(config, assignment, student, prepared.work / "grades.csv")
     return {"student": student, "assignment": assignment, "status": status, "score": score,
             "max_score": max_score, "cells": cells, "flags": flags, "notes": notes, "late": late,
+            "grader_errors": grader_errors,
             "feedback": str(feedback_dir),
             "seconds": round(time.monotonic() - prepared.started, 1)}
 

@@ -119,7 +119,7 @@ def explains_and_fails(fn):
 def test_what_a_passing_check_prints_goes_into_the_cells_feedback(tmp_path):
     """A check may print what a lab reveals once it is graded (chapter 09's explanations): on a
     pass it follows the verdict in the cell's output; a failure shows its message only."""
-    cells = [trusted.GradedCell(grade_id, 1.0, (trusted.CheckCall(__name__, check, ("f",)),))
+    cells = [trusted.GradedCell(grade_id, 1.0, (trusted.CheckCall(__name__, check, (("f",),)),))
              for grade_id, check in (("passes", "explains_and_passes"),
                                      ("fails", "explains_and_fails"))]
     passed, failed = trusted.grade_cells(cells, {"f": b""}, host=None)
