@@ -4,10 +4,11 @@ The grading relies on them, and nbgrader does not check them:
 
 * the locked setup cell is the first code cell and sets up this exercise (``setup_notebook(SLUG)``,
   its checks bound to ``checks``), so the kernel is guarded before any student code runs;
-* every graded cell is locked, has points (and says how many), and starts with the integrity
-  check before it calls anything;
-* a visible test cell only calls this exercise's checks; a hidden block only *calls* grader-only
-  checks of ``autograder.hidden.SLUG`` (so feedback shows a call, never the checks' source);
+* every graded cell is locked and has points (and says how many);
+* the grader can read every graded cell (the grammar of autograder/cell_grammar.py, the one the
+  grader reads them with): the integrity check before anything, then calls of this exercise's
+  checks, or in a hidden block of the grader-only checks of ``autograder.hidden.SLUG`` (so
+  feedback shows a call, never the checks' source), each given functions a solution cell defines;
 * solution cells are editable and mark what the release removes; every grade id is unique.
 """
 
@@ -20,11 +21,11 @@ import re
 import nbformat
 import pytest
 
+from autograder.cell_grammar import BEGIN_HIDDEN, CellGrammarError, parse_graded_cell
 from autograder.sources import exercises, grade_id
 from ddpcourse.grading.authoring_marks import HIDDEN_MARK
 from ddpcourse.grading.exercises import CHECKS_PACKAGE, HIDDEN_PACKAGE
 
-BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 EXERCISES = exercises()
 
 
@@ -48,39 +49,16 @@ def statements(code: str) -> list[ast.stmt]:
     return ast.parse(code).body
 
 
-def is_call_on(node: ast.stmt, name: str) -> bool:
-    """``name.something(...)`` as a statement of its own."""
-    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-            and isinstance(node.value.func, ast.Attribute)
-            and isinstance(node.value.func.value, ast.Name) and node.value.func.value.id == name)
-
-
-def is_print_passed(node: ast.stmt) -> bool:
-    return ast.unparse(node) == "print('passed')"
-
-
 def imports_module_as(node: ast.stmt, package: str, module: str, alias: str) -> bool:
     return (isinstance(node, ast.ImportFrom) and node.module == package
             and [(a.name, a.asname) for a in node.names] == [(module, alias)])
 
 
-def assert_only_calls_then_passed(context: str, nodes: list[ast.stmt], alias: str, module) -> None:
-    """``nodes`` are ``alias.check(...)`` calls of functions ``module`` has, then print('passed')."""
-    assert nodes and is_print_passed(nodes[-1]), f"{context}: ends with print('passed')"
-    for node in nodes[:-1]:
-        assert is_call_on(node, alias), f"{context}: `{ast.unparse(node)}` - only calls {alias}.*"
-        assert hasattr(module, node.value.func.attr), (
-            f"{context}: {module.__name__} has no {node.value.func.attr}")
-
-
-def split_hidden(source: str) -> tuple[str, str]:
-    """(the cell's visible code, its hidden block's code)."""
-    if BEGIN_HIDDEN not in source:
-        return source, ""
-    before, rest = source.split(BEGIN_HIDDEN, 1)
-    hidden, after = rest.split(END_HIDDEN, 1)
-    assert not after.strip(), "nothing may follow the hidden block"
-    return before, hidden
+def defined_by_solution_cells(nb) -> set[str]:
+    """The top-level functions and classes the notebook's solution cells define."""
+    return {node.name for cell in nb.cells if nbgrader(cell).get("solution")
+            and cell.cell_type == "code" for node in statements(cell.source)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
@@ -109,40 +87,39 @@ def test_every_graded_cell_is_locked_has_points_and_starts_with_the_integrity_ch
         stated = re.search(r"\((\d+) points?\)", cell.source)
         assert stated and int(stated.group(1)) == meta["points"], (
             f"{where(exercise, cell)}: the header comment must say ({meta['points']} points)")
-        visible, _ = split_hidden(cell.source)
-        body = statements(visible)
-        first_call = next(i for i, node in enumerate(body)
-                          if not isinstance(node, (ast.Import, ast.ImportFrom)))
-        assert ast.unparse(body[first_call]) == "integrity.assert_untampered()", (
-            f"{where(exercise, cell)}: the first thing a test cell runs is "
-            "integrity.assert_untampered()")
+        # what the cell may run, integrity check first: test_the_grader_can_read_every_test_cell
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
-def test_visible_cells_only_call_this_exercises_checks(exercise):
-    checks = importlib.import_module(f"{CHECKS_PACKAGE}.{exercise.slug}")
-    for cell in graded_cells(notebook(exercise)):
-        if BEGIN_HIDDEN in cell.source:
-            continue
-        body = statements(cell.source)
-        calls = [node for node in body if not isinstance(node, (ast.Import, ast.ImportFrom))][1:]
-        assert_only_calls_then_passed(where(exercise, cell), calls, "checks", checks)
+def test_the_grader_can_read_every_test_cell(exercise):
+    """Each graded cell is read as the grader reads it (autograder/cell_grammar.py: visible cells
+    call this exercise's checks, hidden blocks the grader-only ones, each given the notebook's
+    functions by name or together(...)); every check exists; every name a check is given is
+    defined by a solution cell, so the student's kernel has it to leave behind."""
+    nb = notebook(exercise)
+    modules = {f"{CHECKS_PACKAGE}.{exercise.slug}", f"{HIDDEN_PACKAGE}.{exercise.slug}"}
+    defined = defined_by_solution_cells(nb)
+    for cell in graded_cells(nb):
+        try:
+            calls = parse_graded_cell(cell.source, exercise.slug, where(exercise, cell))
+        except CellGrammarError as wrong:
+            pytest.fail(f"the grader cannot read this cell: {wrong}")
+        for call in calls:
+            assert call.module in modules, where(exercise, cell)
+            assert callable(getattr(importlib.import_module(call.module), call.check, None)), (
+                f"{where(exercise, cell)}: {call.module} has no {call.check}")
+            assert set(call.names) <= defined, (
+                f"{where(exercise, cell)}: {sorted(set(call.names) - defined)} is given to "
+                f"{call.check} but no solution cell defines it")
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)
-def test_hidden_blocks_only_call_grader_only_checks(exercise):
-    hidden_module = importlib.import_module(f"{HIDDEN_PACKAGE}.{exercise.slug}")
+def test_hidden_cells_are_marked_and_every_exercise_has_one(exercise):
     hidden_cells = [c for c in graded_cells(notebook(exercise)) if BEGIN_HIDDEN in c.source]
     assert hidden_cells, f"{exercise.twin.name} has no hidden tests"
     for cell in hidden_cells:
         assert cell.source.startswith(HIDDEN_MARK), (
             f"{where(exercise, cell)}: a hidden-test cell starts with {HIDDEN_MARK!r}")
-        _, hidden = split_hidden(cell.source)
-        body = statements(hidden)
-        assert imports_module_as(body[0], HIDDEN_PACKAGE, exercise.slug, "hidden"), (
-            f"{where(exercise, cell)}: the hidden block starts with "
-            f"`from {HIDDEN_PACKAGE} import {exercise.slug} as hidden`")
-        assert_only_calls_then_passed(where(exercise, cell), body[1:], "hidden", hidden_module)
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.slug)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from autograder import trusted
+from autograder.cell_grammar import CellGrammarError, parse_graded_cell
 from autograder.hidden import allreduce_by_hand as hidden
 from autograder.sources import SOLUTIONS
 from ddpcourse.grading import frames
@@ -82,7 +83,7 @@ def test_the_source_notebook_says_which_checks_each_cell_runs():
     cells = {cell.grade_id: cell for cell in trusted.graded_cells(SOURCE)}
     hidden_cell = cells["test-ring-allreduce-hidden"]
     assert [(c.module, c.check, c.arguments) for c in hidden_cell.calls] == [
-        ("autograder.hidden.allreduce_by_hand", "check_ring_allreduce", ("ring_allreduce",))]
+        ("autograder.hidden.allreduce_by_hand", "check_ring_allreduce", (("ring_allreduce",),))]
     assert cells["test-average-gradients-two-ranks"].calls[0].check == \
         "check_average_gradients_two_ranks"
     assert sum(cell.points for cell in cells.values()) == 13
@@ -99,6 +100,75 @@ def test_no_check_reaches_the_kernel_only_the_test_cells_comments(tmp_path):
     assert text.count("graded outside this notebook") == 7  # one per test cell
     assert "# Test (2 points): two ranks, every parameter has a gradient." in text
     assert "def ring_allreduce" in text  # solution and other cells untouched
+
+
+VISIBLE = """# Test (2 points): something.
+from ddpcourse.grading import integrity
+from ddpcourse.grading.exercises import demo as checks
+integrity.assert_untampered()
+{call}
+print("passed")"""
+
+
+@pytest.mark.parametrize("call, arguments", [
+    ("checks.check_a(f)", (("f",),)),
+    ("checks.check_a(f, g)", (("f",), ("g",))),
+    ("checks.check_a(together(f, g))", (("f", "g"),)),
+    ("checks.check_a(h, together(f, g))", (("h",), ("f", "g"))),
+])
+def test_the_grammar_reads_names_and_functions_given_together(call, arguments):
+    [read] = parse_graded_cell(VISIBLE.format(call=call), "demo")
+    assert (read.module, read.check, read.arguments) == (
+        "ddpcourse.grading.exercises.demo", "check_a", arguments)
+
+
+@pytest.mark.parametrize("call, why", [
+    ("checks.check_a(f, strict=True)", "by position"),
+    ("checks.check_a()", "by position"),
+    ("checks.check_a(f())", "neither a function's name"),
+    ("checks.check_a(together(f))", "neither a function's name"),
+    ("checks.check_a(together(f, g=g))", "neither a function's name"),
+    ("checks.check_a(lambda: f)", "neither a function's name"),
+    ("checks.check_a([f, g])", "neither a function's name"),
+    ("hidden.check_a(f)", "only calls of checks.check_"),
+    ("checks.helper(f)", "only calls of checks.check_"),
+    ("x = checks.check_a(f)", "only calls of checks.check_"),
+    ("import os", "only calls of checks.check_"),
+])
+def test_the_grammar_refuses_what_the_grader_cannot_read(call, why):
+    with pytest.raises(CellGrammarError, match=why) as refused:
+        parse_graded_cell(VISIBLE.format(call=call), "demo", "demo.ipynb, cell test-a")
+    assert str(refused.value).startswith("demo.ipynb, cell test-a: ")
+
+
+@pytest.mark.parametrize("source, why", [
+    (VISIBLE.format(call="checks.check_a(f)").replace("integrity.assert_untampered()\n", ""),
+     "the first thing a test cell runs"),
+    (VISIBLE.format(call="checks.check_a(f)").replace('print("passed")', ""), "ends with"),
+    (VISIBLE.format(call="").replace("\n\n", "\n"), "at least one check"),
+    ("from os import path\n" + VISIBLE.format(call="checks.check_a(f)"), "imports only"),
+    ("integrity.assert_untampered()\n### BEGIN HIDDEN TESTS\nhidden.check_a(f)\n"
+     "print('passed')\n### END HIDDEN TESTS", "starts with `from autograder.hidden import demo"),
+    ("integrity.assert_untampered()\n### BEGIN HIDDEN TESTS\n"
+     "from autograder.hidden import demo as hidden\nhidden.check_a(f)\n### END HIDDEN TESTS",
+     "ends with"),
+    ("integrity.assert_untampered()\n### BEGIN HIDDEN TESTS\n"
+     "from autograder.hidden import demo as hidden\nhidden.check_a(f)\nprint('passed')\n",
+     "without ### END HIDDEN TESTS"),
+])
+def test_the_grammar_refuses_a_cell_out_of_shape(source, why):
+    with pytest.raises(CellGrammarError, match=why):
+        parse_graded_cell(source, "demo")
+
+
+def test_a_hidden_block_is_read_as_grader_only_calls():
+    source = ("# Hidden tests: they run when your notebook is graded.\n"
+              "from ddpcourse.grading import integrity\nintegrity.assert_untampered()\n"
+              "### BEGIN HIDDEN TESTS\nfrom autograder.hidden import demo as hidden\n"
+              "hidden.check_b(together(f, g))\nprint('passed')\n### END HIDDEN TESTS")
+    [read] = parse_graded_cell(source, "demo")
+    assert (read.module, read.check, read.names) == ("autograder.hidden.demo", "check_b",
+                                                     ("f", "g"))
 
 
 def test_missing_functions_and_grader_errors_score_zero_with_a_reason(host):
