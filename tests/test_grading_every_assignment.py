@@ -41,29 +41,17 @@ from pathlib import Path
 import nbformat
 import pytest
 import test_grading_gaming as gaming
+from fake_class import solved_release
 import test_grading_gaming_09 as gaming_09
 
 from autograder import gradesheet, sandbox, worker
 from autograder.__main__ import GRADER_FAILED
-from autograder.sources import assignments, exercises, grade_id, solution_code
+from autograder.sources import assignments, exercises, grade_id
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSIGNMENTS = assignments()
 AT_ONCE = 2  # assignments graded at the same time
 pytestmark = pytest.mark.timeout(1500)
-
-
-def solved(exercise) -> nbformat.NotebookNode:
-    """The student release of ``exercise`` with every solution cell as the source has it."""
-    source = nbformat.read(exercise.source, as_version=4)
-    answers = {grade_id(cell) for cell in source.cells
-               if cell.metadata.get("nbgrader", {}).get("solution")}
-    notebook = nbformat.read(exercise.release, as_version=4)
-    for cell in notebook.cells:
-        if grade_id(cell) in answers:
-            cell.source = solution_code(exercise.source, grade_id(cell))
-    assert answers and answers <= {grade_id(cell) for cell in notebook.cells}, exercise.slug
-    return notebook
 
 
 def gamers(assignment: str) -> dict[str, dict[str, nbformat.NotebookNode]]:
@@ -77,15 +65,36 @@ def gamers(assignment: str) -> dict[str, dict[str, nbformat.NotebookNode]]:
     return found
 
 
+# A cell that rebinds what the notebook's own test cells call, so that every visible test cell of
+# the self-check passes whatever the functions do (spelt so that the static scan may miss it).
+REBIND = """
+for _name in [name for name in vars(checks) if name.startswith("check_")]:
+    vars(checks)[_name] = lambda *args, **kwargs: None
+vars(integrity)["assert_untampered"] = lambda *args, **kwargs: None
+"""
+REBINDERS = {"10_performance": "fit_cost_model", "11_beyond_ddp": "build_2d_groups"}
+
+
+def rebinder(assignment: str) -> dict[str, nbformat.NotebookNode]:
+    """The release of one notebook, stubs left as they are, with :data:`REBIND` after setup."""
+    [exercise] = [e for e in exercises() if e.slug == REBINDERS[assignment]]
+    notebook = nbformat.read(exercise.release, as_version=4)
+    setup = next(i for i, cell in enumerate(notebook.cells) if grade_id(cell) == "setup")
+    notebook.cells.insert(setup + 1, nbformat.v4.new_code_cell(REBIND.strip()))
+    return {exercise.slug: notebook}
+
+
 def write_class(root: Path, assignment: str, with_gamers: bool) -> Path:
     submitted = root / "submitted"
     students: dict[str, dict[str, nbformat.NotebookNode]] = {"reference": {}, "stub": {}}
     for exercise in exercises():
         if exercise.assignment == assignment:
-            students["reference"][exercise.slug] = solved(exercise)
+            students["reference"][exercise.slug] = solved_release(exercise)
             students["stub"][exercise.slug] = nbformat.read(exercise.release, as_version=4)
     if with_gamers:
         students.update(gamers(assignment))
+    if assignment in REBINDERS:
+        students["rebinder"] = rebinder(assignment)
     for student, notebooks in students.items():
         folder = submitted / student / assignment
         folder.mkdir(parents=True)
@@ -244,6 +253,16 @@ def test_reading_the_situation_and_calling_a_reference_scores_zero(graded, assig
             assert "No module named" in page.read_text() or "has no attribute" in page.read_text()
 
 
+@pytest.mark.parametrize("assignment", sorted(REBINDERS))
+def test_rebinding_the_checks_in_the_kernel_gains_nothing(graded, assignment):
+    """The self-check runs the test cells in the student's kernel, where a cell can rebind them;
+    the graded run's verdicts never come from there (autograder/trusted.py)."""
+    row = graded[assignment].rows["rebinder"]
+    [notebook] = [nb for nb in gradesheet.layout(assignment) if nb.slug == REBINDERS[assignment]]
+    assert set(cell_scores(row, notebook).values()) == {"0"}, row
+    assert float(row["score"]) == 0.0 and row["status"] in ("graded", "flagged for tampering")
+
+
 # --- one notebook the grader cannot read does not take the assignment down ----------------------
 
 BROKEN = "checks.check_mlp(ColumnParallelLinear, layers=RowParallelLinear)"
@@ -278,7 +297,7 @@ def test_a_notebook_the_grader_cannot_read_is_reported_and_the_others_are_graded
     folder.mkdir(parents=True)
     for exercise in exercises():
         if exercise.slug in ("build_2d_groups", "tensor_parallel_linear"):
-            nbformat.write(solved(exercise), folder / f"{exercise.slug}.ipynb")
+            nbformat.write(solved_release(exercise), folder / f"{exercise.slug}.ipynb")
     out = tmp_path / "out"
     env = dict(os.environ, DDPCOURSE_CHECK_TIMEOUT_S="60",
                PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))

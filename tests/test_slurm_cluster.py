@@ -10,8 +10,10 @@ checks that no process of it is left: every process of a cluster, from munged to
 workers, carries that cluster's ``SLURM_CONF`` in its environment, which is how they are found.
 
 The jobs are kept small: the torchrun jobs run 2 nodes x 2 workers (an all-reduce of the ranks,
-and chapter 01's training of a tiny model); the graded class is three students of ``00_setup``
-(one notebook of 7 points), built from the committed release and solution notebooks.
+and chapter 01's training of a tiny model); the graded class is three students of
+``11_beyond_ddp`` (four notebooks, 42 points: the kind of assignment where one notebook the grader
+could not read once took the whole assignment down), built from the committed release and
+solution notebooks.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from fake_class import build, gradebook_submissions
+from fake_class import gradebook_submissions, solved_release
 
 from autograder.__main__ import build_parser
 from autograder.merge import Shard
-from autograder.sources import solution_code
+from autograder.sources import exercises
 
 ROOT = Path(__file__).resolve().parent.parent
 START, STOP = ROOT / "slurm" / "start_local_cluster.sh", ROOT / "slurm" / "stop_local_cluster.sh"
@@ -222,25 +224,28 @@ def test_the_static_form_trains_as_torchrun_does_on_one_node(torchrun_jobs):
 
 # --- the autograder: submit_grading.sh ---------------------------------------------------------
 
-ASSIGNMENT = "00_setup"
-RELEASE = ROOT / "exercises" / ASSIGNMENT / "health_check.ipynb"
-SOURCE = ROOT / "solutions" / ASSIGNMENT / "health_check.ipynb"
+ASSIGNMENT = "11_beyond_ddp"
+SCORES = {"alice": 42.0, "bob": 12.0, "carol": 0.0}
 
 
 def small_class(root: Path, students: list[str]) -> Path:
-    """alice: the solution; bob: the solution but for a wrong bus-bandwidth factor of the
-    all-reduce; carol: the release as handed out (every function a stub). Returns SUBMISSIONS."""
-    bandwidth = solution_code(SOURCE, "bus-bandwidth")
-    self_test = solution_code(SOURCE, "all-reduce-self-test")
-    wrong = bandwidth.replace("factor = 2 * (n - 1) / n", "factor = (n - 1) / n")
-    assert wrong != bandwidth
-    answers = {"alice": {"bus-bandwidth": bandwidth, "all-reduce-self-test": self_test},
-               "bob": {"bus-bandwidth": wrong, "all-reduce-self-test": self_test},
-               "carol": {}}
+    """alice: every notebook solved; bob: pipeline_schedule solved (12 points) and
+    tensor_parallel_linear as released, the other two not handed in; carol: every notebook as
+    released (every function a stub). Returns SUBMISSIONS."""
+    notebooks = {exercise.slug: exercise for exercise in exercises()
+                 if exercise.assignment == ASSIGNMENT}
+    handed_in = {
+        "alice": {slug: solved_release(exercise) for slug, exercise in notebooks.items()},
+        "bob": {"pipeline_schedule": solved_release(notebooks["pipeline_schedule"]),
+                "tensor_parallel_linear": nbformat.read(
+                    notebooks["tensor_parallel_linear"].release, as_version=4)},
+        "carol": {slug: nbformat.read(exercise.release, as_version=4)
+                  for slug, exercise in notebooks.items()}}
     for student in students:
         folder = root / "submitted" / student / ASSIGNMENT
         folder.mkdir(parents=True)
-        nbformat.write(build(answers[student], release=RELEASE), folder / RELEASE.name)
+        for slug, notebook in handed_in[student].items():
+            nbformat.write(notebook, folder / f"{slug}.ipynb")
     return root / "submitted"
 
 
@@ -285,7 +290,7 @@ def read_csv(path: Path) -> tuple[list[str], list[dict]]:
 
 def test_each_array_task_grades_its_shard_then_the_merge_runs(grading):
     said, out, tasks, merge = grading["slurm"]
-    assert "3 submissions of 00_setup in 3 shards: up to 1 per shard, 1 at a time, at most 20 " \
+    assert f"3 submissions of {ASSIGNMENT} in 3 shards: up to 1 per shard, 1 at a time, at most 20 " \
            "minutes per task" in said
     assert sorted(t["ArrayTaskId"] for t in tasks) == ["0", "1", "2"]
     for task in tasks:
@@ -310,7 +315,10 @@ def test_the_merged_output_is_the_single_runs(grading):
     header, rows = read_csv(out / "grades.csv")
     assert (header, rows) == read_csv(whole / "grades.csv")
     assert {r["student_id"]: (float(r["score"]), r["status"]) for r in rows} == {
-        "alice": (7.0, "graded"), "bob": (5.0, "graded"), "carol": (0.0, "graded")}
+        student: (score, "graded") for student, score in SCORES.items()}
+    alice = next(row for row in rows if row["student_id"] == "alice")
+    assert all(alice[column] == column.rsplit("(", 1)[1].rstrip(")")  # every cell: full marks
+               for column in header if ":" in column and column.endswith(")"))
     assert gradebook_submissions(out, ASSIGNMENT) == gradebook_submissions(whole, ASSIGNMENT)
     assert sorted(gradebook_submissions(out, ASSIGNMENT)) == ["alice", "bob", "carol"]
     summary, single = (json.loads((o / "summary.json").read_text()) for o in (out, whole))
@@ -335,7 +343,7 @@ def test_a_failing_shard_keeps_the_merge_from_running_and_says_why(grading):
     assert str(out / "shard-I-of-2.failed.txt") in said
     note = note_path.read_text()
     log = out / "logs" / f"grade-shard-{tasks[0]['ArrayJobId']}_0.log"
-    assert "shard 1/2 of 00_setup failed (exit code 1)" in note
+    assert f"shard 1/2 of {ASSIGNMENT} failed (exit code 1)" in note
     assert f"Why: the end of its log, {log} " in note
     assert "FileExistsError" in log.read_text() and note in log.read_text()
     assert "The merge job waiting for this array will not run" in note

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nbformat
 
-from autograder.sources import solution_code
+from autograder.sources import grade_id, solution_code
 from fake_class.hostile import hostile_class
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,6 +147,20 @@ EXPECTED = {
 HOSTILE, HOSTILE_EXPECTED = hostile_class(build, CORRECT, RING, AVERAGE_FLOODS)
 SUBMISSIONS.update(HOSTILE)
 EXPECTED.update(HOSTILE_EXPECTED)
+
+
+def solved_release(exercise) -> nbformat.NotebookNode:
+    """The student release of ``exercise`` (an :class:`autograder.sources.Exercise`) with every
+    solution cell as its source notebook has it: what a student who solved it all hands in."""
+    source = nbformat.read(exercise.source, as_version=4)
+    answers = {grade_id(cell) for cell in source.cells
+               if cell.metadata.get("nbgrader", {}).get("solution")}
+    notebook = nbformat.read(exercise.release, as_version=4)
+    for cell in notebook.cells:
+        if grade_id(cell) in answers:
+            cell.source = solution_code(exercise.source, grade_id(cell))
+    assert answers and answers <= {grade_id(cell) for cell in notebook.cells}, exercise.slug
+    return notebook
 
 
 def write_class(root: Path, students=None) -> Path:
