@@ -2,10 +2,15 @@
 reference for both (the exercise's answer: it lives only here).
 
 Hidden fit cases: latency-dominated data (the times do not grow with size within the noise: β
-is infinite), bandwidth-dominated data (the unconstrained fit has α < 0), rows unordered and of
-several dtypes (int8, bfloat16), busy-machine outliers, 3 and 8 ranks, too few rows, bad rows.
+is infinite), flat data (exactly constant times: β is infinite, and float paths, the reference's
+included, may land at β ≈ 1e25 instead: the tolerance's floor), bandwidth-dominated data (the
+unconstrained fit has α < 0), rows unordered and of several dtypes (int8, bfloat16), a sweep
+measured twice (rows of one size are separate points), busy-machine outliers, 3 and 8 ranks, too
+few rows, bad rows (a negative count, one size spelt in three dtypes, a bad timing among good
+ones, a row without timings beside two good sizes).
 Hidden step cases: one rank (no all-reduce, not even α), an infinite β, a gradient larger than
-the cap, a cap of one byte, every gradient ready at the end, no gradients, bad arguments.
+the cap, a cap of one byte, a bucket that reaches the cap exactly, a left-over of zero bytes,
+every gradient ready at the end, no gradients, bad arguments (each range of the contract).
 """
 
 from __future__ import annotations
@@ -121,6 +126,12 @@ HIDDEN_FITS = [
     fit_spec(60e-6, 3e9, SWEEP, repeats=3, noise=0.04, seed=15, shuffled=True),
     # two sizes only, exact
     fit_spec(5e-6, 2e10, [KIB, 64 * MIB], ranks=(2,), repeats=1, noise=0.0, seed=14),
+    # flat: exactly constant times (β = ∞). The exact answer is s = 0; float paths land beside
+    # it (here the reference gives β ≈ 1.7e25 B/s, torch.linalg.lstsq's path math.inf): the
+    # contract's floor accepts both
+    fit_spec(7e-6, math.inf, [64 * 4**k for k in range(6)], repeats=1, noise=0.0),
+    # the sweep measured twice: rows of one size are two points, not one
+    fit_spec(70e-6, 1.5e9, SWEEP, ranks=(2, 2), repeats=3, noise=0.05, seed=16),
 ]
 HIDDEN_FIT_ERRORS = [
     (ONE_SIZE[:1], "a single row"),
@@ -128,8 +139,26 @@ HIDDEN_FIT_ERRORS = [
       {"count": 1000, "dtype": "complex32", "ranks": 2, "time_us": [9.0]}], "an unknown dtype"),
     ([{"count": 10, "dtype": "float32", "ranks": 2, "time_us": [5.0]},
       {"count": 1000, "dtype": "float32", "ranks": 2, "time_us": [0.0]}], "a time of 0"),
+    # three rows each, so that skipping the bad row or timing still leaves two sizes to fit
     ([{"count": 10, "dtype": "float32", "ranks": 2, "time_us": [5.0]},
-      {"count": 1000, "dtype": "float32", "ranks": 2, "time_us": []}], "a row without timings"),
+      {"count": 1000, "dtype": "float32", "ranks": 2, "time_us": [9.0, 0.0, 8.5]},
+      {"count": 100_000, "dtype": "float32", "ranks": 2, "time_us": [260.0]}],
+     "a time of 0 among good ones"),
+    ([{"count": 10, "dtype": "float32", "ranks": 2, "time_us": [5.0, 5.5]},
+      {"count": 1000, "dtype": "float32", "ranks": 2, "time_us": [9.0]},
+      {"count": 100_000, "dtype": "float32", "ranks": 2, "time_us": [-3.0, 260.0]}],
+     "a negative time among good ones"),
+    ([{"count": 10, "dtype": "float32", "ranks": 2, "time_us": [5.0]},
+      {"count": 1000, "dtype": "float32", "ranks": 2, "time_us": [9.0]},
+      {"count": 100_000, "dtype": "float32", "ranks": 2, "time_us": []}],
+     "a row without timings"),
+    ([{"count": -256, "dtype": "float32", "ranks": 2, "time_us": [10.0]},
+      {"count": 4096, "dtype": "float32", "ranks": 2, "time_us": [20.0]},
+      {"count": 65536, "dtype": "float32", "ranks": 2, "time_us": [150.0]}], "a negative count"),
+    ([{"count": 1024, "dtype": "float32", "ranks": 2, "time_us": [30.0]},
+      {"count": 2048, "dtype": "float16", "ranks": 2, "time_us": [31.0]},
+      {"count": 512, "dtype": "float64", "ranks": 2, "time_us": [29.0]}],
+     "one size (4 KiB) in three dtypes"),
 ]
 
 ONE_BIG = [(4_000, 0.001), (3 * MIB, 0.006), (4_000, 0.0065)]
@@ -141,6 +170,10 @@ HIDDEN_STEPS = [
     step_spec(50e-6, 1e9, 4, [(b, 0.02) for b, _ in SIX], 500_000, 0.01, 0.02, 0.003),
     step_spec(50e-6, 1e9, 2, [], 500_000, 0.01, 0.02, 0.003),  # nothing to synchronise
     step_spec(0.0, 1e9, 2, [(0, 0.0), (1000, 0.001)], 10, 0.0, 0.001, 0.0),
+    # 40 kB + 400 kB reach the 440 kB cap exactly: the bucket closes there (at least the cap)
+    step_spec(100e-6, 1e8, 2, SIX, 440_000, 0.01, 0.02, 0.003),
+    # what is left at the end holds 0 bytes: no bucket, no α
+    step_spec(50e-6, 1e9, 2, [(1000, 0.001), (0, 0.004)], 10, 0.002, 0.004, 0.001),
 ]
 HIDDEN_STEP_ERRORS = [
     ({**STEP_CASES["overlap"], "alpha_s": -1e-6}, "a negative α"),
@@ -148,6 +181,12 @@ HIDDEN_STEP_ERRORS = [
     ({**STEP_CASES["overlap"], "gradients": [[1000, 0.5]]}, "ready after backward ended"),
     ({**STEP_CASES["overlap"], "gradients": [[-5, 0.001]]}, "negative bytes"),
     ({**STEP_CASES["overlap"], "forward_s": -0.001}, "a negative time"),
+    ({**STEP_CASES["overlap"], "optimizer_s": -0.001}, "a negative optimizer time"),
+    ({**STEP_CASES["overlap"], "gradients": [], "backward_s": -0.001},
+     "a negative backward time"),
+    ({**STEP_CASES["overlap"], "gradients": [[1000, -0.001], [1000, 0.002]]},
+     "a ready time before backward began"),
+    ({**STEP_CASES["overlap"], "world_size": 2.0}, "a world_size that is not an int"),
 ]
 
 

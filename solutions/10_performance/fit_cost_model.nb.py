@@ -77,10 +77,14 @@ def fit_cost_model(measurements: list[dict]) -> tuple[float, float]:
     "bfloat16", "float16", "int8": 8, 4, 2, 2, 1 bytes) over `ranks` processes, timed once per
     entry of `time_us`, in microseconds. The rows may come in any order.
 
-    The fit, exactly (the tests compare with its one answer, within 1e-6 relative):
+    The fit, exactly. It has one answer `(α*, β*)`, and the tests allow float rounding only:
+    `|α − α*| <= 1e-6·α* + 1e-12 s`, and `β > 0` with `|1/β − 1/β*| <= 1e-6/β* + 1e-18 s/B`
+    (`1/β` is 0 for `β = math.inf`: where `β*` is infinite, `math.inf` or any `β >= 1e18` B/s
+    passes, since rounding can leave a tiny slope where the exact one is 0).
 
-    * each row gives one point: `x = 2(N−1)/N · count · itemsize` (bytes each rank sends, N =
-      ranks) and `t` = the SMALLEST of its `time_us`, in seconds;
+    * each row gives one point, rows of the same size included: `x = 2(N−1)/N · count ·
+      itemsize` (bytes each rank sends, N = ranks) and `t` = the SMALLEST of its `time_us`, in
+      seconds;
     * minimise `Σ ((α + s·x − t) / t)²` (least squares on the relative error) over `α >= 0` and
       `s >= 0`; `β = 1/s`, or `math.inf` when `s == 0` (latency-dominated data: the times do not
       grow with the size). When the unconstrained minimum has `α < 0` or `s <= 0`, the
@@ -88,14 +92,16 @@ def fit_cost_model(measurements: list[dict]) -> tuple[float, float]:
       whichever leaves the smaller sum.
 
     Args:
-        measurements: the rows, not modified.
+        measurements: the rows, not modified (neither the list, nor a row, nor its `time_us`).
 
     Returns:
         `(alpha_s, beta_bytes_per_s)`, two floats.
 
     Raises:
         ValueError: no rows; a row with `ranks < 2`, a negative `count`, an unknown `dtype`, no
-            timings or a timing `<= 0`; fewer than two distinct `x` (one size only).
+            timings or a timing `<= 0` (even beside good ones: never skipped); fewer than two
+            distinct `x` (one size only, in bytes: 1024 float32 and 2048 float16 elements are
+            one size).
     """
     ### BEGIN SOLUTION
     if not measurements:
@@ -157,8 +163,8 @@ print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-fit-hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Hidden tests: they run when your notebook is graded.
-# (2 points) latency-dominated and bandwidth-dominated data, int8 / bfloat16, 3 and 8 ranks,
-# shuffled rows, two sizes only, bad rows.
+# (2 points) latency-dominated, flat and bandwidth-dominated data, int8 / bfloat16, 3 and 8
+# ranks, shuffled rows, a sweep measured twice, two sizes only, bad rows.
 from ddpcourse.grading import integrity
 integrity.assert_untampered()
 ### BEGIN HIDDEN TESTS
@@ -190,9 +196,10 @@ def predict_step_time(alpha_s: float, beta_bytes_per_s: float, world_size: int,
       `[0, backward_s]`.
     * Buckets (DDP's rule, with an explicit `bucket_cap_mb`): go through the gradients in that
       order, adding each to the open bucket; close the bucket as soon as it holds at least
-      `bucket_cap_bytes` (a gradient is never split: one larger than the cap fills a bucket by
-      itself, or with what came before it). What is left at the end is the last bucket. A bucket
-      is ready when its last gradient is.
+      `bucket_cap_bytes` (reaching the cap exactly closes it; a gradient is never split: one
+      larger than the cap fills a bucket by itself, or with what came before it). What is left at
+      the end is the last bucket, if it holds any bytes (a left-over of zero-byte gradients is no
+      bucket: nothing to all-reduce). A bucket is ready when its last gradient is.
     * All-reduces run one at a time, in bucket order: each starts when its bucket is ready AND
       the previous all-reduce has ended, and lasts `alpha_s + 2(N−1)/N · bucket bytes /
       beta_bytes_per_s` (N = `world_size`; `beta_bytes_per_s` may be `math.inf`: then `alpha_s`
@@ -207,7 +214,7 @@ def predict_step_time(alpha_s: float, beta_bytes_per_s: float, world_size: int,
         forward_s, backward_s, optimizer_s: one rank's measured times, >= 0.
 
     Returns:
-        The step's seconds, a float.
+        The step's seconds, a float (the tests allow rounding: 1e-9 relative, or 1e-12 s).
 
     Raises:
         ValueError: any argument outside the ranges above (negative bytes, a ready time before
@@ -259,8 +266,9 @@ print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-predict-step-time-hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 # Hidden tests: they run when your notebook is graded.
-# (2 points) one rank, an infinite β, a gradient above the cap, a cap of one byte, every
-# gradient ready at the end, no gradients, bad arguments.
+# (2 points) one rank, an infinite β, a gradient above the cap, a cap of one byte, a bucket at
+# the cap exactly, a zero-byte left-over, every gradient ready at the end, no gradients, bad
+# arguments.
 from ddpcourse.grading import integrity
 integrity.assert_untampered()
 ### BEGIN HIDDEN TESTS
