@@ -32,6 +32,16 @@ broker. A rank that breaks these rules is cut off: its socket is closed, and the
 that need it fail with a message naming it, as they do when a rank exits or dies. An operation
 still waiting at ``timeout`` seconds, or collectives that disagree (rank 0 all_reduce, rank 1
 broadcast), fail the whole group: every rank's pending and later operations raise that message.
+
+Sends. By default the broker keeps a sent message until it is received, so a send completes at
+once, whatever the receiver does. With ``rendezvous=True`` a send completes only when its receiver
+has posted the matching recv, as gloo's and NCCL's do: ``dist.send`` (``isend`` and ``wait``)
+blocks until then, ``dist.isend`` returns at once and its ``wait`` blocks. A rank tells the broker
+when it blocks in ``wait`` on a send or recv (``{"op": "wait", "id": ...}``, sent only when the
+greeting says ``rendezvous``); ranks blocked in a circle, each on a send to or a recv from the
+next, with no word from any of them for ``deadlock_grace_s``, fail the whole group at once with a
+message that names each rank and the call it is blocked in (a send-first ring: every rank blocked
+sending to its right neighbour) instead of at the deadline.
 """
 
 from __future__ import annotations
@@ -45,9 +55,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from autograder.broker_requests import (INT32, Request, Violation, check_collective, check_recv,
-                                        check_send, collective_replies, describe, int_field,
-                                        nbytes, parse_header, shape_text, tensor_specs)
+from autograder.broker_requests import (INT32, Request, Violation, blocked_call,
+                                        check_collective, check_recv, check_send,
+                                        collective_replies, describe, int_field, nbytes,
+                                        parse_header, shape_text, tensor_specs, wait_cycle)
 from ddpcourse.grading.relay import (MAX_HEADER_BYTES, PREFIX, PROTOCOL, frame, tensor_bytes,
                                      tensors_from)
 
@@ -83,6 +94,8 @@ class _Conn:
     held_bytes: int = 0  # payloads and bookkeeping of its requests the broker keeps waiting
     held_count: int = 0
     logged_tensors: int = 0  # its log's size: one per operation and one per tensor
+    heard: float = 0.0  # when its last frame arrived
+    waiting: Request | None = None  # the send or recv it last said it is blocked on
 
 
 class Broker:
@@ -97,12 +110,15 @@ class Broker:
     ``max_held_requests``: what one rank may keep waiting in the broker at once (unmatched sends,
     its part of unfinished collectives, pending receives). ``max_logged``: operations plus tensors
     one rank may ask for in all (its log's size). A rank that goes past a limit is cut off.
+    ``rendezvous``: a send completes only once a recv matches it (the module's docstring);
+    ``deadlock_grace_s``: how long ranks blocked in a circle stay silent before the group fails.
     """
 
     def __init__(self, world_size: int, timeout: float = 60.0, *,
                  max_message_bytes: int = 64 << 20, max_held_bytes: int = 256 << 20,
                  max_held_requests: int = 10_000, max_logged: int = 1_000_000,
-                 sockets: list[socket.socket] | None = None):
+                 sockets: list[socket.socket] | None = None, rendezvous: bool = False,
+                 deadlock_grace_s: float = 1.0):
         if world_size < 1:
             raise ValueError("world_size must be at least 1")
         if sockets is not None and len(sockets) != world_size:
@@ -113,6 +129,8 @@ class Broker:
         self.max_held_bytes = max_held_bytes
         self.max_held_requests = max_held_requests
         self.max_logged = max_logged
+        self.rendezvous = rendezvous
+        self.deadlock_grace_s = float(deadlock_grace_s)
         self._max_out_bytes = max_held_bytes + world_size * max_message_bytes
         if sockets is None:
             pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -281,6 +299,7 @@ class Broker:
                         if mask & selectors.EVENT_WRITE:
                             self._guarded(conn, self._flush)
                     self._expire(time.monotonic())
+                    self._find_deadlock(time.monotonic())
                     for conn in self._conns:
                         if conn.doomed and not conn.closed:
                             self._cut(conn, conn.doomed)
@@ -306,6 +325,11 @@ class Broker:
         with self._lock:
             deadlines = [r.deadline for q in self._recvs.values() for r in q]
             deadlines += [r.deadline for g in self._collectives.values() for r in g.values()]
+            if self.rendezvous:
+                deadlines += [r.deadline for q in self._sends.values() for r in q
+                              if r.entry["status"] == "pending"]
+                deadlines += [c.heard + self.deadlock_grace_s for c in self._conns
+                              if c.waiting is not None and c.waiting.entry["status"] == "pending"]
         if not deadlines:
             return 0.5
         return min(0.5, max(0.0, min(deadlines) - time.monotonic()))
@@ -372,12 +396,16 @@ class Broker:
     def _next_frame(self, conn: _Conn, payload: bytearray) -> None:
         header = conn.header
         conn.phase, conn.buf, conn.got, conn.header = "prefix", bytearray(PREFIX.size), 0, None
+        conn.heard = time.monotonic()
         self._dispatch(conn, header, payload)
 
     def _dispatch(self, conn: _Conn, header: dict, payload: bytearray) -> None:
         op = header.get("op")
         if not conn.greeted:
             self._hello(conn, header)
+            return
+        if op == "wait":
+            self._on_wait(conn, header)
             return
         if op not in COLLECTIVES and op not in POINT_TO_POINT:
             raise Violation(f"asked for an unknown operation {str(op)[:40]!r}")
@@ -434,7 +462,8 @@ class Broker:
         conn.greeted = True
         self._send_frame(conn, {"id": 0, "ok": True, "timeout": self.timeout,
                                 "max_message_bytes": self.max_message_bytes,
-                                "rank": conn.rank, "world_size": self.world_size}, [])
+                                "rank": conn.rank, "world_size": self.world_size,
+                                "rendezvous": self.rendezvous}, [])
 
     # -- point to point -----------------------------------------------------------------------
 
@@ -453,12 +482,12 @@ class Broker:
         if recv is not None:
             self._recvs[dst].remove(recv)
             self._release(recv)
+            self._deliver(req, recv)
         else:
             self._sends[dst].append(req)
             self._hold(req)
-        self._reply(req, [], [])  # the broker holds the data: the send is done
-        if recv is not None:
-            self._deliver(req, recv)
+            if not self.rendezvous:
+                self._reply(req, [], [])  # the broker holds the data: the send is done
 
     def _on_recv(self, req: Request) -> None:
         me, src = req.rank, req.src
@@ -475,15 +504,57 @@ class Broker:
             self._hold(req)
 
     def _deliver(self, send: Request, recv: Request) -> None:
+        """Hand ``send``'s data to ``recv``, and complete the send if it still waits for that."""
         sent, wanted = send.tensors[0], recv.expect[0]
         recv.entry["peer"] = send.rank
         if sent["dtype"] != wanted["dtype"] or math.prod(sent["shape"]) != math.prod(
                 wanted["shape"]):
             self._break(f"relay: rank {recv.rank} receives {shape_text(wanted)} from rank "
                         f"{send.rank} (tag {send.entry['tag']}), which sent "
-                        f"{shape_text(sent)}", also=[recv])
+                        f"{shape_text(sent)}", also=[recv, send])
             return
         self._reply(recv, [wanted], [send.payload], src=send.rank)
+        if send.entry["status"] == "pending":
+            self._reply(send, [], [])
+
+    def _on_wait(self, conn: _Conn, header: dict) -> None:
+        """The rank blocks on its send or recv ``id``: remember it for :meth:`_find_deadlock`."""
+        request_id = int_field(header, "id", 1, 2**53)
+        if not self.rendezvous:
+            return
+        mine = [r for r in self._recvs[conn.rank] if r.id == request_id]
+        mine += [r for q in self._sends.values() for r in q
+                 if r.rank == conn.rank and r.id == request_id]
+        if mine and mine[0].entry["status"] == "pending":
+            conn.waiting = mine[0]
+
+    def _find_deadlock(self, now: float) -> None:
+        """Fail the group if ranks are blocked in a circle, each on a send to or a recv from the
+        next, and none of them has said anything for ``deadlock_grace_s`` (a rank's other thread
+        might still act; with a single thread, a circle is a deadlock at once)."""
+        if not self.rendezvous or self._failure is not None:
+            return
+        blocked: dict[int, Request] = {}
+        for conn in self._conns:
+            req = conn.waiting
+            if (req is None or req.entry["status"] != "pending" or conn.closed
+                    or now - conn.heard < self.deadlock_grace_s):
+                continue
+            peer = req.entry["peer"] if req.op == "send" else req.src
+            if peer is not None:
+                blocked[conn.rank] = req
+        cycle = wait_cycle({rank: (req.entry["peer"] if req.op == "send" else req.src)
+                            for rank, req in blocked.items()})
+        if cycle is None:
+            return
+        calls = "; ".join(f"rank {rank} is blocked in {blocked_call(blocked[rank])}"
+                          for rank in cycle)
+        advice = ("A blocking send (dist.send) completes only once its receiver has posted the "
+                  "matching recv, as with gloo and NCCL: post the send with dist.isend before "
+                  "the blocking recv, and wait for it afterwards."
+                  if any(blocked[rank].op == "send" for rank in cycle) else "")
+        self._break(f"relay: deadlock: {calls}. Each waits for the next, so none of them can "
+                    f"go on. {advice}".rstrip())
 
     # -- collectives --------------------------------------------------------------------------
 
@@ -544,6 +615,15 @@ class Broker:
                 self._break(f"relay: collective #{seq} timed out after {self.timeout:g} s: "
                             f"{called}; {never}")
                 return
+        for queue in self._sends.values():
+            for send in queue:
+                if send.entry["status"] == "pending" and send.deadline <= now:
+                    dst = send.entry["peer"]
+                    self._break(f"relay: send from rank {send.rank} to rank {dst} (tag "
+                                f"{send.entry['tag']}, {shape_text(send.tensors[0])}) timed out "
+                                f"after {self.timeout:g} s: rank {dst} posted no matching recv "
+                                f"({self._last_call(dst)})")
+                    return
         for queue in self._recvs.values():
             for recv in queue:
                 if recv.deadline <= now:
@@ -562,8 +642,7 @@ class Broker:
             self._failure = message
         waiting = list(also) + [r for q in self._recvs.values() for r in q]
         waiting += [r for g in self._collectives.values() for r in g.values()]
-        for req in [r for q in self._sends.values() for r in q]:
-            self._release(req)
+        waiting += [r for q in self._sends.values() for r in q]  # pending in rendezvous mode
         for queue in (*self._recvs.values(), *self._sends.values()):
             queue.clear()
         self._collectives.clear()
@@ -579,8 +658,9 @@ class Broker:
         rank = conn.rank
         self._gone[rank] = reason
         self._recvs[rank].clear()
-        self._sends[rank].clear()  # nobody will receive these
-        failing = []
+        failing = [(req, f"relay: send from rank {req.rank} to rank {rank} cannot complete: "
+                         f"{reason}") for req in self._sends[rank]]  # nobody will receive these
+        self._sends[rank].clear()
         for dst, queue in self._recvs.items():
             for req in [r for r in queue if r.src == rank]:
                 queue.remove(req)

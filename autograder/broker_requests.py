@@ -129,6 +129,31 @@ def check_collective(req: Request, header: dict, world_size: int) -> None:
     req.signature = (op, root, reduce_op, req.dtype, tuple(shapes))
     req.entry.update(root=root, reduce_op=reduce_op)
 
+def wait_cycle(waits_for: dict[int, int]) -> list[int] | None:
+    """Ranks that wait for one another in a circle, in the order they wait (each for the next,
+    the last for the first), given ``waits_for`` (rank -> the one peer it is blocked on); None
+    if there is no circle. Each rank waits for one peer at most, so following the arrows from
+    every rank finds every circle."""
+    for start in sorted(waits_for):
+        path: list[int] = []
+        rank: int | None = start
+        while rank is not None and rank not in path:
+            path.append(rank)
+            rank = waits_for.get(rank)
+        if rank is not None:
+            return path[path.index(rank):]
+    return None
+
+
+def blocked_call(req: Request) -> str:
+    """A blocked point-to-point call in words: "send to rank 1 (tag 0, float32[4])"."""
+    spec = (req.tensors or req.expect)[0]
+    if req.op == "send":
+        return f"send to rank {req.entry['peer']} (tag {req.entry['tag']}, {shape_text(spec)})"
+    source = f"rank {req.src}" if req.src is not None else "any rank"
+    return f"recv from {source} (tag {req.entry['tag']}, {shape_text(spec)})"
+
+
 def describe(req: Request) -> str:
     op, root, reduce_op, dtype, shapes = req.signature
     parts = [f"{dtype}[{', '.join(map(str, s))}]" for s in shapes]

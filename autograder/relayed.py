@@ -13,7 +13,9 @@ is logged, or cannot reach the other ranks at all.
 For each case: one listening socket per rank, in a folder only that rank's sandbox sees
 (read-only); every host is asked to run its rank; once each rank has connected, a broker takes the
 connections. The observations come back from the hosts; their ``"traffic"`` entry (what the rank
-says it saw) is replaced by the broker's record, which is what the case's judge reads.
+says it saw) is replaced by the broker's record, which is what the case's judge reads. A case with
+``rendezvous=True`` (:class:`~ddpcourse.grading.checks.Case`) gets a broker in rendezvous mode: a
+blocking send completes only once matched, and ranks blocked in a circle fail the case at once.
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ class RelayedRanks:
         return self.hosts[rank]
 
     def observe(self, observe, world_size: int, args: tuple, payload: bytes,
-                timeout: float) -> list:
-        """Every rank's observation with its ``"traffic"`` as the broker saw it, or RankError."""
+                timeout: float, rendezvous: bool = False) -> list:
+        """Every rank's observation with its ``"traffic"`` as the broker saw it, or RankError.
+        ``rendezvous``: the broker's mode (autograder/broker.py), the case's ``rendezvous``."""
         self.cases += 1
         listeners, paths = [], []
         for rank in range(world_size):
@@ -119,7 +122,8 @@ class RelayedRanks:
             connections = _accept_each(listeners, runners, timeout + HOST_MARGIN_S)
             _close_listeners(listeners, paths)  # a rank still connecting now fails at once
             if connections is not None:
-                broker = Broker(world_size, timeout + BROKER_GRACE_S, sockets=connections)
+                broker = Broker(world_size, timeout + BROKER_GRACE_S, sockets=connections,
+                                rendezvous=rendezvous)
                 broker.start()
             for runner in runners:
                 runner.join(timeout + 2 * HOST_MARGIN_S)

@@ -222,13 +222,14 @@ class SubmittedFunction(RemoteFunction):
                                  self.relayed)
 
     def observe(self, observe, world_size, args, timeout, init_process_group,
-                audit_traffic=False):
+                audit_traffic=False, rendezvous=False):
         try:
             if audit_traffic:
                 if self.relayed is None:
                     raise ValueError(f"{observe.__qualname__} audits communication: grade it with "
                                      "relayed ranks (autograder.relayed.RelayedRanks)")
-                return self.relayed.observe(observe, world_size, args, self.payload, timeout)
+                return self.relayed.observe(observe, world_size, args, self.payload, timeout,
+                                            rendezvous=rendezvous)
             return self.host.observe(observe, world_size, args, self.payload, timeout,
                                      init_process_group)
         except HostFailed as exc:

@@ -298,6 +298,75 @@ def test_ring_allreduce_is_counted_to_the_byte(no_orphans):
         assert peers == {(rank + 1) % world_size, (rank - 1) % world_size}
 
 
+# -- rendezvous: a send completes only once received ------------------------------------------
+
+def _send_first_ring(rank, world_size):
+    """Each rank sends (dist.send) to its right, then receives from its left."""
+    incoming = torch.empty(4)
+    dist.send(torch.full((4,), float(rank)), (rank + 1) % world_size)
+    dist.recv(incoming, (rank - 1) % world_size)
+    return incoming
+
+
+def _isend_first_ring(rank, world_size):
+    incoming = torch.empty(4)
+    work = dist.isend(torch.full((4,), float(rank)), (rank + 1) % world_size)
+    dist.recv(incoming, (rank - 1) % world_size)
+    work.wait()
+    return incoming
+
+
+def test_a_send_first_ring_deadlocks_under_rendezvous_only_and_the_circle_is_named(no_orphans):
+    expected = [torch.full((4,), float(r)) for r in (2, 0, 1)]  # from the left neighbour
+    for fn, rendezvous in [(_send_first_ring, False), (_isend_first_ring, True)]:
+        outcomes, broker = launch(fn, 3, rendezvous=rendezvous)
+        assert all(map(torch.equal, values(outcomes), expected)) and broker.failure is None
+    outcomes, broker = launch(_send_first_ring, 3, rendezvous=True, deadlock_grace_s=0.2)
+    circle = ("relay: deadlock: rank 0 is blocked in send to rank 1 (tag 0, float32[4]); rank 1 "
+              "is blocked in send to rank 2 (tag 0, float32[4]); rank 2 is blocked in send to "
+              "rank 0 (tag 0, float32[4]). Each waits for the next, so none of them can go on. "
+              "A blocking send (dist.send) completes only once its receiver has posted the "
+              "matching recv, as with gloo and NCCL: post the send with dist.isend before the "
+              "blocking recv, and wait for it afterwards.")
+    assert broker.failure == circle  # at once, not at the deadline (it would say "timed out")
+    assert outcomes == [("error", f"RelayError: {circle}")] * 3
+    assert [broker.ops(r) for r in range(3)] == [["send"]] * 3  # the recvs were never reached
+
+
+def _isend_waits_for_its_recv(rank, world_size):
+    """Rank 0's isend returns at once; it completes only once rank 1 receives it (tag 0), which
+    rank 1 does only after rank 0's blocking send (tag 1) met its recv."""
+    if rank == 0:
+        work = dist.isend(torch.ones(2), 1, tag=0)
+        time.sleep(0.3)
+        before = work.is_completed()
+        dist.send(torch.zeros(1), 1, tag=1)
+        work.wait()
+        return before
+    dist.recv(torch.empty(1), 0, tag=1)
+    dist.recv(torch.empty(2), 0, tag=0)
+    return None
+
+
+def _blocked_in_send_and_recv(rank, world_size):
+    if rank == 0:
+        dist.send(torch.ones(2), 1, tag=0)
+    else:
+        dist.recv(torch.empty(3), 0, tag=5)
+
+
+def test_under_rendezvous_isend_stays_asynchronous_and_a_mixed_circle_is_named(no_orphans):
+    assert [v for v in values(launch(_isend_waits_for_its_recv, 2)[0])] == [True, None]
+    outcomes, broker = launch(_isend_waits_for_its_recv, 2, rendezvous=True,
+                              deadlock_grace_s=0.2)
+    assert values(outcomes) == [False, None]
+    outcomes, broker = launch(_blocked_in_send_and_recv, 2, rendezvous=True,
+                              deadlock_grace_s=0.2)
+    assert broker.failure.startswith(
+        "relay: deadlock: rank 0 is blocked in send to rank 1 (tag 0, float32[2]); rank 1 is "
+        "blocked in recv from rank 0 (tag 5, float32[3]). Each waits for the next"), broker.failure
+
+
 def _all_reduce_in_a_thread(rank, world_size):
     from torch.distributed import all_reduce as hidden_name
     box = {}
@@ -560,6 +629,7 @@ HOSTILE = {  # what rank 1 sends -> why the broker cuts it off
     "huge tensor": (frame(_hello()) + frame(_send(tensors=[_f32(2**39)])), "larger than"),
     "payload of the wrong size": (frame(_hello()) + frame(_send(), 8) + b"\0" * 8,
                                   "8 payload bytes for tensors of 4"),
+    "bad wait": (frame(_hello()) + frame({"op": "wait", "id": True}), "bad 'id'"),
     "too many waiting requests": (frame(_hello()) + b"".join(
         frame({"op": "recv", "id": i, "src": 0, "tag": 0, "expect": [_f32(1)]})
         for i in range(1, 6)), "more than 4 requests"),
@@ -634,6 +704,23 @@ def test_a_recv_that_nothing_matches_fails_the_group_at_the_deadline():
         late, _ = idle.request({"op": "barrier", "id": 1})
         assert late["error"] == header["error"] == broker.failure
         waiting.sock.close()
+        idle.sock.close()
+
+
+def test_under_rendezvous_a_send_that_nothing_receives_fails_at_the_deadline():
+    with Broker(2, timeout=0.5, rendezvous=True) as broker:
+        sending = _Client(socket.socket(fileno=os.dup(broker.rank_fd(0))), 0, 2)
+        idle = _Client(socket.socket(fileno=os.dup(broker.rank_fd(1))), 1, 2)
+        broker.start()
+        assert sending.hello()["rendezvous"] is True and idle.hello()["ok"]
+        start = time.monotonic()
+        header, _ = sending.request({"op": "send", "id": 1, "dst": 1, "tag": 4,
+                                     "tensors": [_f32(1)]}, b"\0" * 4)
+        assert 0.45 < time.monotonic() - start < 3
+        assert header["error"] == broker.failure == (
+            "relay: send from rank 0 to rank 1 (tag 4, float32[1]) timed out after 0.5 s: rank 1 "
+            "posted no matching recv (rank 1 has not asked for anything)")
+        sending.sock.close()
         idle.sock.close()
 
 

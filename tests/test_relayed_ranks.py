@@ -9,7 +9,9 @@ graded in tests/test_autograder.py.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +19,13 @@ import torch.distributed as dist
 
 from autograder import sandbox, trusted
 from autograder.relayed import RelayedRanks
+from autograder.sources import solution_code
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import allreduce_by_hand as checks
 from fake_class.hostile import RING_BEHIND_THE_AUDIT
 from trusted_path import submitted
 
+SOLUTION = Path(__file__).resolve().parents[1] / "solutions/05_allreduce/allreduce_by_hand.ipynb"
 needs_bwrap = pytest.mark.skipif(sandbox.bwrap_problem() is not None,
                                  reason=f"no sandbox here: {sandbox.bwrap_problem()}")
 
@@ -40,6 +44,33 @@ def ring_allreduce(tensor):
             request = dist.isend(chunks[send_index].clone(), right)
             dist.recv(incoming, left)
             request.wait()
+            if phase == "reduce":
+                chunks[recv_index] += incoming
+            else:
+                chunks[recv_index].copy_(incoming)
+
+
+def the_solution():
+    """``ring_allreduce`` as the solution notebook defines it."""
+    namespace = {"torch": torch, "dist": dist}
+    exec(compile(solution_code(SOLUTION, "ring-allreduce"), "<student notebook>", "exec"),
+         namespace)
+    return namespace["ring_allreduce"]
+
+
+def send_first_ring(tensor):
+    """A correct ring but for one thing: each rank sends (dist.send, blocking) before it receives.
+    On gloo and NCCL every rank then waits in its send for a recv nobody posts."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    chunks = list(tensor.view(-1).tensor_split(world_size))
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for phase in ("reduce", "gather"):
+        for step in range(world_size - 1):
+            offset = 1 if phase == "gather" else 0
+            recv_index = (rank - step - 1 + offset) % world_size
+            incoming = torch.empty_like(chunks[recv_index])
+            dist.send(chunks[(rank - step + offset) % world_size].contiguous(), right)
+            dist.recv(incoming, left)
             if phase == "reduce":
                 chunks[recv_index] += incoming
             else:
@@ -102,6 +133,25 @@ def test_a_ring_passes_and_its_traffic_is_counted_by_the_broker(host, relayed):
     assert observation["traffic"] == {"collectives": [], "bytes_sent": 0, "collective_calls": []}
     observations = run_student(checks.RING_ALLREDUCE, 4, fn, (1000,), "float32", 0, True)
     assert [o["traffic"]["bytes_sent"] for o in observations] == [2 * 3 * 250 * 4] * 4
+
+
+def test_a_send_first_ring_deadlocks_in_the_graded_run_and_the_solution_passes(host, relayed):
+    """The ring's cases run with the broker in rendezvous mode (a blocking send completes only
+    once received, as on gloo and NCCL): a ring that sends before it receives deadlocks there as
+    it would on real hardware, and fails at once, naming each rank and the send it is stuck in."""
+    assert checks.RING_ALLREDUCE.rendezvous
+    checks.check_ring_allreduce_two_ranks(submitted(the_solution(), host, relayed))
+    send_first = submitted(send_first_ring, host, relayed)
+    with pytest.raises(CheckFailed) as info:
+        checks.check_ring_allreduce_two_ranks(send_first)
+    message = str(info.value)
+    for rank in (0, 1):
+        assert (f"rank {rank} is blocked in send to rank {1 - rank} (tag 0, float32[4])"
+                in message), message
+    assert "post the send with dist.isend" in message, message
+    # what the grader's broker let pass before: it held every message until it was received
+    keeps_messages = dataclasses.replace(checks.RING_ALLREDUCE, rendezvous=False)
+    run_student(keeps_messages, 2, send_first, (8,))
 
 
 def test_a_collective_from_a_thread_is_caught_whatever_the_point_to_point_traffic(host, relayed):

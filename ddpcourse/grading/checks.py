@@ -61,11 +61,24 @@ class Case:
     thread or a C++ process-group object escapes it. When a class is graded, each rank runs in a
     sandbox of its own whose only link to the others is the grader's broker, and the grader
     replaces ``"traffic"`` with what the broker carried (autograder/relayed.py).
+
+    ``rendezvous`` (audited cases only): the broker completes a blocking send only once the
+    receiver has posted the matching recv, as gloo and NCCL do, so a rank that sends before it
+    receives in a ring deadlocks here too, and the case fails naming the ranks blocked in a
+    circle. For the cases whose contract says deadlock-free. (Unaudited cases run on gloo, whose
+    sends already block so.) By default the broker keeps a sent message until it is received.
     """
 
     observe: Callable[..., Any]
     judge: Callable[..., None]
     audit_traffic: bool = False
+    rendezvous: bool = False
+
+    def __post_init__(self):
+        if self.rendezvous and not self.audit_traffic:
+            raise ValueError("rendezvous is a mode of the grader's broker: only for cases with "
+                             "audit_traffic=True (the others run on gloo, whose sends block "
+                             "until received)")
 
 
 # The all-reduce operators of the dispatcher (c10d, functional), under the broker's one name.
@@ -113,7 +126,8 @@ class RemoteFunction:
     __name__ = "the submitted function"
 
     def observe(self, observe: Callable[..., Any], world_size: int, args: tuple, timeout: float,
-                init_process_group: bool, audit_traffic: bool = False) -> list[Any]:
+                init_process_group: bool, audit_traffic: bool = False,
+                rendezvous: bool = False) -> list[Any]:
         raise NotImplementedError
 
     def together_with(self, *others: RemoteFunction) -> RemoteFunction:
@@ -166,7 +180,8 @@ def run_student(case: Case | Callable[..., Any], world_size: int, student_fn: Ca
     if isinstance(case, Case) and isinstance(student_fn, RemoteFunction):
         try:
             observations = student_fn.observe(case.observe, world_size, args, timeout,
-                                              init_process_group, case.audit_traffic)
+                                              init_process_group, case.audit_traffic,
+                                              rendezvous=case.rendezvous)
         except RankError as err:
             raise CheckFailed(explain(err, hide_internals, timeout)) from None
         case.judge(observations, world_size, *args)

@@ -20,7 +20,9 @@ header, then the payload: the raw bytes of the tensors the header lists as ``{"d
 "shape": [...]}``, back to back, all of one dtype. Nothing is ever pickled. A request names its
 ``op``, the ``tensors`` it uploads and the ``expect``-ed tensors of the reply; the reply carries the
 request's ``id`` and either ``"ok": true`` with its ``tensors`` or ``"ok": false`` with an
-``error`` to raise.
+``error`` to raise. When the broker's greeting says ``"rendezvous": true`` (a send then completes
+only once a recv matches it), a rank that blocks in ``wait`` on a send or recv says so once,
+``{"op": "wait", "id": ...}`` (no reply), so that the broker can name ranks blocked in a circle.
 
 It is a Python subclass of ``torch.distributed.ProcessGroup``, as torch's own ``ProcessLocalGroup``
 (torch/testing/_internal/distributed/multi_threaded_pg.py) and test/distributed/test_c10d_pypg.py
@@ -138,6 +140,7 @@ class RelayWork(dist.Work):
         self._error: str | None = None
         self._source = -1
         self._future = torch.futures.Future()
+        self._on_block = None  # tells the broker this rank blocks on it (rendezvous mode)
 
     def _finish(self, error: str | None = None) -> None:
         if self._done.is_set():
@@ -150,6 +153,10 @@ class RelayWork(dist.Work):
             self._future.set_exception(RelayError(error))
 
     def wait(self, timeout=None) -> bool:
+        if not self._done.is_set():
+            on_block, self._on_block = self._on_block, None
+            if on_block is not None:
+                on_block()
         limit = self._deadline - time.monotonic()
         asked = _seconds(timeout)
         if asked is not None:
@@ -202,6 +209,7 @@ class RelayProcessGroup(dist.ProcessGroup):
         greeting = self._hello(hello_timeout_s)
         self._wait_limit_s = float(greeting["timeout"]) + _REPLY_GRACE_S
         self._max_message_bytes = int(greeting["max_message_bytes"])
+        self._rendezvous = greeting.get("rendezvous") is True
         # Blocking from now on: shutdown() wakes the reader, and the broker always reads.
         sock.settimeout(None)
         self._reader = threading.Thread(target=self._read_replies, name="relay-reader",
@@ -303,6 +311,8 @@ class RelayProcessGroup(dist.ProcessGroup):
                     header["id"] = request_id = self._next_id
                     self._next_id += 1
                     self._pending[request_id] = (work, on_reply)
+                    if self._rendezvous and header["op"] in ("send", "recv"):
+                        work._on_block = lambda: self._say_blocked(request_id)
             if closed is not None:
                 work._finish(closed)
                 return work
@@ -314,6 +324,15 @@ class RelayProcessGroup(dist.ProcessGroup):
                 self._fail_all(f"relay: rank {self._rank} lost the connection to the broker "
                                f"while sending {what} ({exc})")
         return work
+
+    def _say_blocked(self, request_id: int) -> None:
+        """Tell the broker this rank now blocks on request ``request_id`` (no reply comes)."""
+        with self._send_lock:
+            if self._closed is None:
+                try:
+                    self._sock.sendall(frame({"op": "wait", "id": request_id}))
+                except OSError:
+                    pass  # the reader sees the broken connection and fails what is pending
 
     def _collective(self, op: str, what: str, fields: dict, upload, expect, outputs, deliver=None):
         def on_reply(work, header, received):

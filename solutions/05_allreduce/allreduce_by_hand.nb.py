@@ -124,7 +124,8 @@ print("passed")
 #
 # Hint: `tensor.view(-1).tensor_split(N)` gives N views that write through to `tensor`. In each step,
 # post the send to your right neighbour with `dist.isend` *before* the blocking `dist.recv` from
-# your left one; with two blocking calls in the same order on every rank, the ring can deadlock.
+# your left one: a blocking `dist.send` returns only once its receiver has posted the `recv`, so with
+# two blocking calls in the same order on every rank the ring deadlocks, and the tests say so.
 
 # %% nbgrader={"grade": false, "grade_id": "ring-allreduce", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def ring_allreduce(tensor: torch.Tensor) -> None:
@@ -145,6 +146,10 @@ def ring_allreduce(tensor: torch.Tensor) -> None:
     * bandwidth-optimal: each rank sends about `2(N-1)/N` of the tensor's bytes - split the tensor
       into N chunks, reduce-scatter them around the ring (N-1 steps), then all-gather them (N-1 more
       steps). Sending the whole tensor to every peer moves `N/2` times more data and fails.
+    * deadlock-free: a blocking `dist.send` returns only once the receiving rank has posted its
+      `recv` (on gloo and NCCL, at every message size, and in the graded runs), so a ring in which
+      every rank sends before it receives never starts; post each send with `dist.isend` before
+      the blocking `dist.recv`, and `wait()` for it afterwards.
 
     Args:
         tensor: this rank's contribution, contiguous; it receives the sum.

@@ -212,8 +212,10 @@ def judge_ring_allreduce(observations, world_size, shape=(8,), dtype_name="float
     judge_each_rank(observations, judge_rank)
 
 
-# Graded with every rank in its own sandbox: the grader's broker counts the traffic.
-RING_ALLREDUCE = Case(observe_ring_allreduce, judge_ring_allreduce, audit_traffic=True)
+# Graded with every rank in its own sandbox: the grader's broker counts the traffic, and a blocking
+# send completes only once received (rendezvous), as on gloo and NCCL: a ring must not deadlock.
+RING_ALLREDUCE = Case(observe_ring_allreduce, judge_ring_allreduce, audit_traffic=True,
+                      rendezvous=True)
 
 
 def check_ring_allreduce_two_ranks(ring_allreduce) -> None:
