@@ -12,11 +12,11 @@ autograder grade`` as an instructor grades one:
   ``tests/test_grading_gaming_09.py``), who guess the situation and call whatever reference they
   can import: graded in the same run, so the class costs one command, not two.
 
-An assignment of several notebooks (where a grader problem of one notebook used to take the whole
-assignment down) is graded through the shard path instead of one run: ``--shard 1/2`` and
+The assignment of the most notebooks (where a grader problem of one notebook used to take the
+whole assignment down) is graded through the shard path instead of one run: ``--shard 1/2`` and
 ``--shard 2/2`` at once, then ``python -m autograder merge``, the path SLURM's arrays take
-(``tests/test_slurm_cluster.py`` runs the array itself on a multi-notebook assignment). Two
-assignments are graded at a time: grading mostly waits on kernels and ranks.
+(``tests/test_slurm_cluster.py`` runs the array itself on 11_beyond_ddp). Two assignments are
+graded at a time: grading mostly waits on kernels and ranks.
 
 Before any grading, the cheap structural check: the worker prepares every notebook of every
 assignment (its test cells read by :mod:`autograder.cell_grammar`, every check found), as it does
@@ -51,6 +51,7 @@ from autograder.sources import assignments, exercises, grade_id
 ROOT = Path(__file__).resolve().parent.parent
 ASSIGNMENTS = assignments()
 AT_ONCE = 2  # assignments graded at the same time
+THROUGH_SHARDS = max(ASSIGNMENTS, key=lambda a: (len(gradesheet.layout(a)), a))
 pytestmark = pytest.mark.timeout(1500)
 
 
@@ -151,7 +152,7 @@ def grade_assignment(root: Path, assignment: str) -> Graded:
     submitted = write_class(root, assignment, with_gamers=SANDBOX == "require")
     env = dict(os.environ, DDPCOURSE_CHECK_TIMEOUT_S="60")  # no student here hangs
     out = root / "out"
-    if len(gradesheet.layout(assignment)) == 1:
+    if assignment != THROUGH_SHARDS:
         said = run({"grade": grade_command(submitted, assignment, out, "--jobs", "2")}, env)
     else:
         shards = {f"{i}/2": root / f"shard-{i}-of-2" for i in (1, 2)}
@@ -321,3 +322,21 @@ def test_a_notebook_the_grader_cannot_read_is_reported_and_the_others_are_graded
     assert "not your doing" in page
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["results"][0]["grader_errors"]) == ["tensor_parallel_linear"]
+
+
+def test_a_worker_that_crashed_is_the_graders_fault_too(capsys):
+    """What grade and merge say of the results they end with: nothing when every notebook was
+    graded; a crashed worker (status "grader error") and a notebook the grader could not grade
+    are named, with exit code GRADER_FAILED."""
+    from autograder.__main__ import report_grader_errors
+
+    fine = {"student": "amy", "status": "graded", "notes": [], "grader_errors": {}}
+    crashed = {"student": "ben", "status": "grader error",
+               "notes": ["the grading worker exited with code 1"]}
+    one_notebook = {"student": "cy", "status": "graded", "notes": [],
+                    "grader_errors": {"bucketed_ddp": "CellGrammarError: cell test-x: ..."}}
+    assert report_grader_errors([fine]) == 0 and capsys.readouterr().err == ""
+    assert report_grader_errors([fine, crashed, one_notebook]) == GRADER_FAILED
+    err = capsys.readouterr().err
+    assert "ben: (all notebooks): the grading worker exited with code 1" in err
+    assert "cy: bucketed_ddp: CellGrammarError: cell test-x" in err and "amy" not in err
