@@ -94,19 +94,69 @@ def test_the_trusted_grader_catches_swapped_groups(host):
         checks.check_two_by_two(submitted(build(SWAPPED), host))
 
 
+def from_source(source):
+    namespace = {"dist": dist}
+    exec(compile(source, "<student notebook>", "exec"), namespace)
+    return namespace["build_2d_groups"]
+
+
+# A differently written correct answer: each rank creates only its own two groups, with
+# use_local_synchronization=True (members only; every rank in one order: tp, then dp).
+MEMBERS_ONLY = '''
+def build_2d_groups(world_size, tp_size):
+    if not 1 <= tp_size <= world_size or world_size % tp_size != 0:
+        raise ValueError(f"tp_size {tp_size} is not a divisor of {world_size}")
+    rank = dist.get_rank()
+    first = rank // tp_size * tp_size
+    tp_group = dist.new_group(list(range(first, first + tp_size)),
+                              use_local_synchronization=True)
+    dp_group = dist.new_group(list(range(rank % tp_size, world_size, tp_size)),
+                              use_local_synchronization=True)
+    return dp_group, tp_group
+'''
+# The lesson's init_device_mesh builds the same grid: it meets every other requirement.
+DEVICE_MESH = '''
+def build_2d_groups(world_size, tp_size):
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError("tp_size must divide world_size")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    return mesh.get_group("dp"), mesh.get_group("tp")
+'''
+
+
+def test_members_only_groups_pass_every_check_judged_outside_the_ranks(host):
+    answer = submitted(from_source(MEMBERS_ONLY), host)
+    checks.check_two_by_two(answer)
+    checks.check_one_dimension(answer)
+    checks.check_not_a_divisor(answer)
+    hidden.check_build_2d_groups(answer)
+
+
+def test_the_graded_run_catches_init_device_mesh(host):
+    with pytest.raises(CheckFailed, match=r"ranks 0, 1, 2 and 3: build_2d_groups\(4, 2\) ran code "
+                       r"of torch/distributed/device_mesh.py \(\['torch\.distributed\.device_mesh"
+                       r"\.init_device_mesh'") as failed:
+        checks.check_two_by_two(submitted(from_source(DEVICE_MESH), host))
+    assert ranks_named(str(failed.value))
+
+
 # --- the judge reads the ranks' reports as untrusted data ---------------------------------------
 
 
 def honest_report(rank: int) -> dict:
     grid = checks.VISIBLE_GRIDS[(4, 2)]
     mine = {role: grid[role][rank] for role in checks.ROLES}
-    return {"members": mine, "reached": dict(mine), "default_group_sum": 10}
+    return {"members": mine, "reached": dict(mine), "default_group_sum": 10, "mesh_calls": [],
+            "hook_removed": False}
 
 
 DAMAGE = [((), None), ((), []), (("members",), "x"), (("members", "dp"), [0, 3]),
           (("members", "tp"), "x" * 1_000_000), (("reached",), None), (("reached", "tp"), [1]),
           (("default_group_sum",), 11), (("default_group_sum",), "x" * 1_000_000),
-          (("raised",), "ValueError")]
+          (("raised",), "ValueError"), (("mesh_calls",), None),
+          (("mesh_calls",), ["torch.distributed.device_mesh.init_device_mesh"]),
+          (("hook_removed",), True)]
 
 
 def test_honest_reports_pass_the_judge():

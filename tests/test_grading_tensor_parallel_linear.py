@@ -75,7 +75,7 @@ OUT_OF_AUTOGRAD = ("        out = SumInForward.apply(nn.functional.linear(x, sel
     ("row: all-reduce outside autograd", OUT_OF_AUTOGRAD, checks.check_row_parallel,
      "got no gradient"),
     ("row: default group instead of the layer's", DEFAULT_GROUP,
-     hidden.check_tensor_parallel_linear, "the output"),
+     hidden.check_tensor_parallel_linear, "the (output|column-parallel layer's weight gradient)"),
 ])
 def test_the_checks_catch(mistake, replacement, check, message):
     with pytest.raises(CheckFailed, match=message) as failed:
@@ -94,6 +94,86 @@ def test_the_trusted_grader_catches_a_missing_backward_sum(host):
     column, row = build(NO_BACKWARD_SUM)
     with pytest.raises(CheckFailed, match="the input's gradient"):
         checks.check_column_parallel(together(submitted(column, host), submitted(row, host)))
+
+
+# A differently written correct answer: gradient hooks and in-place all-reduces on detached
+# aliases instead of autograd.Functions. The contract is behaviour, so it passes every check.
+HOOKS = '''
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, linear, group):
+        super().__init__()
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        k = linear.out_features // n
+        self.group = group
+        self.weight = nn.Parameter(linear.weight.detach()[r * k:(r + 1) * k].clone())
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach()[r * k:(r + 1) * k].clone()))
+
+    def forward(self, x):
+        if x.requires_grad:
+            x = x.view_as(x)  # this call's own alias: the hook sees only this call's gradient
+            group = self.group
+
+            def hook(grad):
+                dist.all_reduce(grad.detach(), group=group)
+                return grad
+
+            x.register_hook(hook)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear, group):
+        super().__init__()
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        k = linear.in_features // n
+        self.group = group
+        self.weight = nn.Parameter(linear.weight.detach()[:, r * k:(r + 1) * k].clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x):
+        out = nn.functional.linear(x, self.weight)
+        dist.all_reduce(out.detach(), group=self.group)  # autograd sees the identity
+        return out if self.bias is None else out + self.bias
+'''
+HOOK_ON_CALLERS_INPUT = ("            x = x.view_as(x)  # this call's own alias: the hook sees "
+                         "only this call's gradient\n", "")
+HOOKED_ONCE = ("        if x.requires_grad:\n",
+               "        if x.requires_grad and not getattr(self, 'hooked', False):\n"
+               "            self.hooked = True\n")
+
+
+def from_source(source, *replacements):
+    for old, new in replacements:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    namespace = {"torch": torch, "dist": dist, "nn": nn}
+    exec(compile(source, "<student notebook>", "exec"), namespace)
+    return namespace["ColumnParallelLinear"], namespace["RowParallelLinear"]
+
+
+def test_a_hook_based_answer_passes_every_check_judged_outside_the_ranks(host):
+    column, row = from_source(HOOKS)
+    classes = together(submitted(column, host), submitted(row, host))
+    checks.check_column_parallel(classes)
+    checks.check_row_parallel(classes)
+    checks.check_mlp(classes)
+    hidden.check_tensor_parallel_linear(classes)
+
+
+@pytest.mark.parametrize("mistake, replacement", [
+    ("the hook on the caller's input tensor: the residual's gradient is summed too",
+     HOOK_ON_CALLERS_INPUT),
+    ("the hook registered on the first call only", HOOKED_ONCE),
+])
+def test_the_graded_run_catches_hooks_that_are_not_per_call(mistake, replacement, host):
+    column, row = from_source(HOOKS, replacement)
+    classes = together(submitted(column, host), submitted(row, host))
+    # the visible checks call each layer once on an input nothing else uses: these pass them
+    with pytest.raises(CheckFailed, match=r"called twice before one backward.*\n.*rank 0: the "
+                       r"(column-parallel layer's weight gradient|input's gradient)") as failed:
+        hidden.check_tensor_parallel_linear(classes)
+    assert ranks_named(str(failed.value))
 
 
 def honest_report(rank: int) -> dict:

@@ -1,6 +1,8 @@
 """Hidden checks for chapter 11's ColumnParallelLinear / RowParallelLinear: one rank, two
 tensor-parallel groups side by side on 4 ranks (each with its own input: a layer that reduces
-over the default group instead of its own mixes them), layers without bias, 4-way splits."""
+over the default group instead of its own mixes them), layers without bias, 4-way splits, and each
+layer called twice before one backward with a residual around it ("repeat": a layer that hooks the
+caller's input tensor, or sums its gradient once per module, fails there)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from ddpcourse.grading.exercises.tensor_parallel_linear import LAYERS
 # (world_size, mode, sizes, bias, seed, tp_size)
 HIDDEN_CASES = [
     (1, "mlp", (3, 4, 2), True, 11, 1),
-    (4, "mlp", (4, 6, 4), False, 12, 2),
+    (4, "repeat", (4, 6, 4), False, 12, 2),
     (4, "row", (8, 3, 3), True, 13, 4),
 ]
 

@@ -49,9 +49,14 @@ setup_notebook("build_2d_groups")
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task-build-2d-groups", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # ## `build_2d_groups(world_size, tp_size)` (8 points)
 #
-# Implement it as its docstring says. `dist.new_group(ranks)` is a collective of the **default**
-# group: every rank must call it, for every group, in the same order, even for the groups it is
-# not a member of (it gets a placeholder back for those).
+# Implement it as its docstring says. By default `dist.new_group(ranks)` is a collective of the
+# **default** group: every rank must call it, for every group, in the same order, even for the
+# groups it is not a member of (it gets a placeholder back for those), because torch names each
+# new group by counting these calls. With `dist.new_group(ranks, use_local_synchronization=True)`
+# only the group's members call it (the group is named after its ranks); then every rank must
+# still create its groups in one global order (all tensor-parallel groups before the
+# data-parallel ones, say), or overlapping groups can wait for each other forever. Either way is
+# fine: the tests judge the groups you return, not how you called `new_group`.
 
 # %% nbgrader={"grade": false, "grade_id": "build-2d-groups", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def build_2d_groups(world_size: int, tp_size: int):
@@ -61,14 +66,18 @@ def build_2d_groups(world_size: int, tp_size: int):
     ranks form `world_size // tp_size` tensor-parallel groups of `tp_size` **contiguous** ranks
     (`[0 .. tp_size-1]`, `[tp_size .. 2*tp_size-1]`, ...) and `tp_size` data-parallel groups, each
     holding the ranks at the same position in every tensor-parallel group (`[0, tp_size,
-    2*tp_size, ...]`, `[1, tp_size+1, ...]`, ...). Build them with `dist.new_group` and return
-    the two this rank belongs to.
+    2*tp_size, ...]`, `[1, tp_size+1, ...]`, ...). Build them with `dist.new_group` (every rank
+    for every group, or only the members with `use_local_synchronization=True`) and return the
+    two this rank belongs to. Not with `init_device_mesh` or `DeviceMesh`: that is how the
+    lesson builds this very grid, and the exercise is to build it yourself.
 
     Requirements the tests check (in real process groups of 1 to 4 ranks):
 
     * each group returned holds exactly the ranks above (`dist.get_process_group_ranks`), and a
       real `all_reduce` over it reaches exactly those ranks;
     * the default group still works afterwards;
+    * no code of `torch/distributed/device_mesh.py` (`init_device_mesh`, `DeviceMesh`) runs
+      during the call;
     * `tp_size = 1` (pure data parallelism) and `tp_size = world_size` (pure tensor parallelism)
       work; a `tp_size` that is not a positive divisor of `world_size` raises `ValueError` on
       every rank.

@@ -70,21 +70,26 @@ class ShardedOptimizer:
     `r` owns piece `r`. `self.optimizer` is an `optimizer_cls(..., **kwargs)` over tensors that
     hold only this rank's piece, so that its state covers only that piece.
 
-    `step()` is called after `backward()`, when every rank holds the same gradients (DDP
-    averaged them). It updates this rank's piece with `self.optimizer` from the matching
-    elements of the gradients, then brings every rank's updated piece into every rank's
-    parameters, in place (same tensors: the model holds them).
+    `step()` is called after `backward()`. It updates this rank's piece with `self.optimizer`
+    from the matching elements of the gradients, and uses no other element of them: as under
+    ZeRO, where each rank's gradients are averaged only over its own piece, the elements outside
+    a rank's piece may differ from rank to rank. It then brings every rank's updated piece into
+    every rank's parameters, in place (same tensors: the model holds them).
 
     Requirements the tests check:
 
     * after any number of steps, every rank's parameters equal those of `optimizer_cls` over
-      all the parameters in one process, to float64 rounding;
+      all the parameters in one process, to float64 rounding, also when each rank's gradients
+      differ from the others' outside its own piece (so the pieces must be exactly the ones
+      above: pieces cut another way, floor-sized or round-robin, use elements outside them);
     * `self.optimizer.state` of each rank holds at most about 1/N of the unsharded optimizer's
       state bytes (10 % and 64 bytes of slack), also when one parameter is much larger than the
       others (sharing out whole parameters fails that);
-    * between steps the object holds no tensor beyond its share: its piece, the piece's
-      gradient and `self.optimizer`'s state (allocate the buffers of the exchange inside
-      `step()`);
+    * between steps nothing keeps a tensor beyond this rank's share (its piece, the piece's
+      gradient and `self.optimizer`'s state): neither the object nor anything else in the
+      rank's process (a module global, a class attribute, a closure). Allocate the buffers of
+      the exchange inside `step()`. References to the model's own parameters are not copies
+      and do not count: keeping `self.params = list(params)` is fine, and so are their `.grad`s;
     * 1 to 4 ranks, and element counts that do not divide by N.
 
     Args:
@@ -165,7 +170,8 @@ print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-sharded-optimizer-hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # Hidden tests: they run when your notebook is graded.
-# (3 points) 1, 3 and 4 ranks; SGD with momentum, AdamW; more steps; counts that do not divide.
+# (3 points) 1, 3 and 4 ranks; SGD with momentum, AdamW; more steps; counts that do not divide;
+# gradients that differ between ranks outside each rank's piece.
 from ddpcourse.grading import integrity
 integrity.assert_untampered()
 ### BEGIN HIDDEN TESTS

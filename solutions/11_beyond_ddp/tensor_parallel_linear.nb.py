@@ -54,8 +54,12 @@ setup_notebook("tensor_parallel_linear")
 # ## `ColumnParallelLinear` and `RowParallelLinear` (12 points)
 #
 # Implement both as their docstrings say. Each needs one collective, in forward for one of them
-# and in backward for the other: write each as a `torch.autograd.Function` whose `forward` and
-# `backward` say what happens in each direction.
+# and in backward for the other. We suggest writing each as a `torch.autograd.Function` whose
+# `forward` and `backward` say what happens in each direction; the tests judge only what the
+# layers compute (outputs and gradients), so any other way that behaves as the docstrings say (a
+# gradient hook, say) passes too. Mind what the docstrings say about calling a layer twice and
+# about an input that is used elsewhere as well: a hook on the caller's tensor does not survive
+# that.
 #
 # Hint: in a column-parallel layer every rank uses the whole input, so the input's gradient is a
 # sum over the ranks of each rank's part. In a row-parallel layer each rank's output is a partial
@@ -78,6 +82,11 @@ class ColumnParallelLinear(nn.Module):
 
     Backward: the gradients of `self.weight` and `self.bias` are this rank's slices of the dense
     layer's; the gradient reaching `x` is the dense layer's, the whole of it, on every rank.
+
+    As for any layer, each call is on its own: the layer may be called more than once before one
+    backward, and `x` may reach the loss by other paths too (a residual connection); each call
+    adds to `x`'s gradient the dense layer's input gradient for that call, and nothing to the
+    gradient of the other paths.
     """
 
     def __init__(self, linear: nn.Linear, group):
@@ -128,6 +137,7 @@ class RowParallelLinear(nn.Module):
     Backward (the output's gradient is the same on every rank): the gradient of `self.weight` is
     this rank's columns of the dense layer's, that of `self.bias` the dense layer's whole bias
     gradient, and the gradient reaching `x` is this rank's columns of the dense input gradient.
+    Each call is on its own, as for `ColumnParallelLinear`.
     """
 
     def __init__(self, linear: nn.Linear, group):
@@ -199,7 +209,8 @@ print("passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test-tensor-parallel-linear-hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # Hidden tests: they run when your notebook is graded.
-# (3 points) 1 and 4 ranks, two tensor-parallel groups side by side, layers without bias.
+# (3 points) 1 and 4 ranks, two tensor-parallel groups side by side, layers without bias,
+# each layer called twice before one backward with a residual connection.
 from ddpcourse.grading import integrity
 integrity.assert_untampered()
 ### BEGIN HIDDEN TESTS

@@ -10,7 +10,12 @@ then reports, for each group it got back, its members (``dist.get_process_group_
 what a real ``all_reduce`` of ``2**rank`` over it gave: the bits set are the ranks the
 all-reduce reached. The all-reduces run only when the ranks' reports agree with each other (every
 member of a group names the same members), so that a wrong answer fails instead of hanging; last,
-an all-reduce over the default group shows it still works. The judge compares the members with
+an all-reduce over the default group shows it still works. The call runs under a profile hook
+(:mod:`ddpcourse.grading.forbidden`) that watches ``torch/distributed/device_mesh.py``:
+``init_device_mesh`` builds this very grid in the lesson, so a call that runs that file's code
+fails, however it was reached; how the groups are made with ``dist.new_group`` (every rank for
+every group, or the members only with ``use_local_synchronization=True``) is the student's
+choice, and only what comes back is judged. The judge compares the members with
 the grid the contract describes: for the visible cases written out here (:data:`VISIBLE_GRIDS`);
 the hidden checks judge their own cases with the grader's reference.
 """
@@ -22,12 +27,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import device_mesh
 
 from ddpcourse.grading.checks import (Case, CheckFailed, by_rank, cut_text, observed, run_student,
                                       type_name)
+from ddpcourse.grading.forbidden import call_watching
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 ROLES = ("dp", "tp")
+# init_device_mesh and DeviceMesh: the lesson's way to build the grid, not to run during the call
+# (imported above, so the module's own code has run before any call is watched)
+MESH_FILE = device_mesh.__file__
+MAX_REPORTED_CALLS = 10
 
 # (world_size, tp_size) -> this rank's groups, by rank: the visible cases' answers, written out
 # (tests/test_grading_build_2d_groups.py holds them to the hidden reference).
@@ -73,10 +84,13 @@ def default_group_sum(world_size: int) -> int | str:
 def observe_groups(rank, world_size, build_2d_groups, tp_size):
     """What the call returned (or raised); each group's members and the ranks a real all-reduce
     over it reached; an all-reduce over the default group afterwards."""
-    report: dict[str, Any] = {}
-    try:
-        result = build_2d_groups(world_size, tp_size)
-    except Exception as exc:  # noqa: BLE001 - what was raised is the finding
+    watched = call_watching(build_2d_groups, (world_size, tp_size), {}, MESH_FILE, quiet=False)
+    report: dict[str, Any] = {
+        "mesh_calls": [cut_text(name, 200)
+                       for name in watched.forbidden_calls[:MAX_REPORTED_CALLS]],
+        "hook_removed": bool(watched.hook_removed)}
+    result, exc = watched.result, watched.exception
+    if exc is not None:
         report.update(raised=type(exc).__name__, value_error=isinstance(exc, ValueError),
                       error=cut_text(f"{type(exc).__name__}: {exc}", 300))
         result = None
@@ -111,6 +125,16 @@ def judge_against(observations: list, world_size: int, tp_size: int,
         try:
             if not isinstance(report, dict):
                 raise CheckFailed(f"the rank's report is a {type_name(report)}")
+            mesh_calls = observed(report, "mesh_calls", list)
+            if mesh_calls:
+                names = [cut_text(name, 200) for name in mesh_calls[:MAX_REPORTED_CALLS]]
+                raise CheckFailed(
+                    f"{what} ran code of torch/distributed/device_mesh.py ({names}): "
+                    "init_device_mesh and DeviceMesh build this grid for you (the lesson's way); "
+                    "build the groups yourself with dist.new_group")
+            if observed(report, "hook_removed", bool):
+                raise CheckFailed(f"{what} changed the profile hook (sys.setprofile) that watches "
+                                  "for init_device_mesh: leave it alone")
             if grid is None:
                 if "raised" not in report:
                     raise CheckFailed(f"{what} returned; {tp_size} does not divide {world_size}, "

@@ -12,8 +12,12 @@ and one backward with a fixed output gradient, and reports what the module holds
 parameters' shapes and sizes, every tensor it keeps) and what came out: the output, the input's
 gradient, the parameters' gradients. The judge rebuilds the dense layers and the inputs from the
 same seeds and runs them in one process: the sharded layers must give the dense output and
-gradients, each rank's share of them, to float64 rounding. The answer (how to shard, which
-collective goes where) is nowhere here: only the dense layer the result must equal.
+gradients, each rank's share of them, to float64 rounding. The mode "repeat" (a hidden case)
+calls each layer twice before one backward, with a residual: the contract is the layers'
+behaviour, however their collectives are written (an autograd.Function or a hook), and a layer
+that hooks the caller's tensor, or sums the input's gradient only once per module, gives wrong
+input gradients there. The answer (how to shard, which collective goes where) is nowhere here:
+only the dense layer the result must equal.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's 
 BATCH = 3
 TOLERANCE = (1e-10, 1e-12)  # float64: the sharded sums differ from the dense ones by rounding
 NAMES = {"column": "ColumnParallelLinear", "row": "RowParallelLinear",
-         "mlp": "ColumnParallelLinear -> tanh -> RowParallelLinear"}
+         "mlp": "ColumnParallelLinear -> tanh -> RowParallelLinear",
+         "repeat": "y = x + Row(tanh(Column(x))), then the same layers again on y (residual, "
+                   "each layer called twice before one backward)"}
 
 
 def dense_layers(sizes: tuple[int, int, int], bias: bool, seed: int) -> tuple[nn.Linear, nn.Linear]:
@@ -91,9 +97,17 @@ def grads_of(module: Any) -> dict:
     return out
 
 
+def residual_twice(column, row, x: torch.Tensor) -> torch.Tensor:
+    """``y = x + row(tanh(column(x)))``, then the same on ``y``: each layer is called twice
+    before backward, and its input also reaches the output another way (the residual)."""
+    y = x + row(torch.tanh(column(x)))
+    return y + row(torch.tanh(column(y)))
+
+
 def observe_layers(rank, world_size, classes, mode, sizes, bias, seed, tp_size):
-    """One forward and backward of the student's layer(s) (``mode``: "column", "row" or "mlp",
-    column then tanh then row) on this rank's group; what the layers hold and produced."""
+    """One forward and backward of the student's layer(s) (``mode``: "column", "row", "mlp",
+    column then tanh then row, or "repeat", :func:`residual_twice`) on this rank's group; what
+    the layers hold and produced."""
     ColumnParallelLinear, RowParallelLinear = classes
     group = my_group(rank, world_size, tp_size)
     tp_rank, group_index = rank % tp_size, rank // tp_size
@@ -119,7 +133,10 @@ def observe_layers(rank, world_size, classes, mode, sizes, bias, seed, tp_size):
     else:
         column, row = ColumnParallelLinear(first, group), RowParallelLinear(second, group)
         inp = x.clone().requires_grad_(True)
-        out = row(torch.tanh(column(inp)))
+        if mode == "repeat":
+            out = residual_twice(column, row, inp)
+        else:
+            out = row(torch.tanh(column(inp)))
         out.backward(out_grads[sizes[2]])
         report["layers"] = {"column": held(column), "row": held(row)}
         report["grads"] = {"column": grads_of(column), "row": grads_of(row)}
@@ -142,7 +159,8 @@ def expected_of(mode, sizes, bias, seed, tp_size, group_index):
         out.backward(out_grads[sizes[1]])
         layers = {mode: first}
     else:
-        out = second(torch.tanh(first(x)))
+        out = (residual_twice(first, second, x) if mode == "repeat"
+               else second(torch.tanh(first(x))))
         out.backward(out_grads[sizes[2]])
         layers = {"column": first, "row": second}
     return {"output": out.detach(), "input_grad": x.grad,
@@ -163,7 +181,8 @@ def shard(kind: str, name: str, full: torch.Tensor, tp_rank: int, tp_size: int) 
 
 
 def judge_layers(observations, world_size, mode, sizes, bias, seed, tp_size):
-    what = (f"{NAMES[mode]} of Linear{tuple(sizes[:2]) if mode != 'mlp' else tuple(sizes)}"
+    shape = tuple(sizes[:2]) if mode in ("column", "row") else tuple(sizes)
+    what = (f"{NAMES[mode]} of Linear{shape}"
             f"{'' if bias else ' without bias'}, tensor-parallel groups of {tp_size} ranks")
     rtol, atol = TOLERANCE
     wrong = []
