@@ -1,8 +1,11 @@
 """The checks of exercise tune_this_job (chapter 10: the slow DDP job, tuned within a
 communication budget) pass the solution, fail the slow job and each slow knob on its own with a
 message that names it, catch wrong numerics, hold the visible cases' written-out digests to the
-hidden reference run, count the all-reduces through the grader's broker, and read the ranks'
-reports as untrusted data. The exercise: solutions/10_performance/tune_this_job.nb.py."""
+hidden reference run, count the all-reduces through the grader's broker (and a process group of
+the student's own, which the broker never sees), hold accumulation_steps < 1 to its ValueError,
+pass a differently written answer (DDP for setup, one all-reduce of a flattened gradient), and
+read the ranks' reports as untrusted data. The exercise:
+solutions/10_performance/tune_this_job.nb.py."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from autograder import trusted
 from autograder.hidden import tune_this_job as hidden
 from autograder.relayed import RelayedRanks
 from autograder.sources import SOLUTIONS, grade_id, solution_code
-from ddpcourse.grading.checks import CheckFailed
+from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import tune_this_job as checks
 from trusted_path import altered, submitted
 
@@ -50,6 +53,43 @@ LOGGED_LOSS = ("                loss.backward()\n", "                loss.backwa
                "                logged = loss.detach().clone()\n"
                "                dist.all_reduce(logged)\n")
 TAIL_BY_K = ("/ len(group)", "/ accumulation_steps")
+NO_VALUE_ERROR = ("    if accumulation_steps < 1:\n        raise ValueError(",
+                  "    if False:\n        raise ValueError(")
+# The loss logged over a gloo group of the job's own, where one can be made. The in-rank audit of
+# the student's notebook counts it; when a class is graded the broker cannot: with one rank the
+# group forms inside the rank's sandbox, and with more it cannot form at all (each sandbox has its
+# own store and network), so the job logs nothing there. Before the rank reported what escaped
+# the broker, this answer passed every graded case.
+PRIVATE_GROUP = (("ddp_model = DDP(model)",
+                  "try:\n        log_group = dist.new_group(backend='gloo', "
+                  "timeout=__import__('datetime').timedelta(seconds=2))\n"
+                  "    except Exception:\n        log_group = None\n    ddp_model = DDP(model)"),
+                 (LOGGED_LOSS[0], LOGGED_LOSS[1].replace(
+                     "dist.all_reduce(logged)",
+                     "log_group is None or dist.all_reduce(logged, group=log_group)")))
+
+# A differently written correct answer, which the contract accepts: DDP for setup only, every
+# backward under no_sync(), then one all-reduce of the flattened gradient per optimizer step.
+FLATTENED = '''
+def tune_this_job(model, micro_batches, accumulation_steps, lr):
+    if not accumulation_steps >= 1:
+        raise ValueError("accumulation_steps < 1")
+    ddp_model = DDP(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr)
+    for start in range(0, len(micro_batches), accumulation_steps):
+        group = micro_batches[start:start + accumulation_steps]
+        with ddp_model.no_sync():
+            for inputs, targets in group:
+                (nn.functional.mse_loss(ddp_model(inputs), targets) / len(group)).backward()
+        flat = torch.cat([p.grad.flatten() for p in params])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+        optimizer.step()
+        optimizer.zero_grad()
+'''
 
 
 def test_the_solution_passes_visible_and_hidden_checks():
@@ -192,6 +232,58 @@ def test_through_the_broker_the_budget_is_counted(host, relayed):
         checks.check_job_within_budget(submitted(build(FIND_UNUSED), host, relayed))
 
 
+ONE_RANK = next(settings for world_size, settings in hidden.HIDDEN if world_size == 1)[:1]
+
+
+def test_through_the_broker_a_process_group_of_ones_own_is_counted(host, relayed):
+    """With one rank a private gloo group forms inside the rank's sandbox and its all-reduces
+    never reach the broker; the rank's own audit of what escaped it catches them. The solution
+    passes the same one-rank case."""
+    checks.run_settings(hidden.JOB_WITH_REFERENCE, submitted(build(), host, relayed), 1, ONE_RANK)
+    with pytest.raises(CheckFailed, match=r"never carried \(\[4, 4, 4, 4, 4\].*process group of "
+                       "your own"):
+        hidden.check_tune_this_job(submitted(build(*PRIVATE_GROUP), host, relayed))
+
+
+def test_accumulation_steps_below_one_raise_value_error_first(host, relayed):
+    """Through the broker, as graded: the solution and the flattened answer raise first. Without
+    the check, 0 fails in range() only after DDP's setup has given rank 1 rank 0's weights, and -2
+    trains nothing and returns; with the check after DDP's setup, rank 1's weights changed and
+    rank 0 sent its state before the ValueError."""
+    for right in (build(), build(source=FLATTENED)):
+        run_student(checks.BAD_STEPS, 2, submitted(right, host, relayed), hidden.BAD_VALUES)
+    late = ("        raise ValueError(f\"accumulation_steps must be at least 1, not "
+            "{accumulation_steps}\")\n    ddp_model = DDP(model)",
+            "        pass\n    ddp_model = DDP(model)\n    if accumulation_steps < 1:\n"
+            "        raise ValueError(accumulation_steps)")
+    for wrong, parts in [
+            (NO_VALUE_ERROR, ["rank 0: tune_this_job(..., accumulation_steps=-2): expected "
+                              "ValueError (accumulation_steps must be an int >= 1), it returned "
+                              "None", "rank 1: tune_this_job(..., accumulation_steps=0): the "
+                              "model changed before the ValueError"]),
+            (late, ["rank 0: tune_this_job with accumulation_steps [0, -2]: ",  # DDP's setup, twice
+                    " collective call(s) before the ValueError", "rank 1: tune_this_job(..., "
+                    "accumulation_steps=0): the model changed before the ValueError"])]:
+        with pytest.raises(CheckFailed) as failed:
+            run_student(checks.BAD_STEPS, 2, submitted(build(wrong), host, relayed),
+                        hidden.BAD_VALUES)
+        for part in parts:
+            assert part in str(failed.value), str(failed.value)
+
+
+def test_the_flattened_answer_passes_the_visible_checks_through_the_broker(host, relayed):
+    checks.check_job_within_budget(submitted(build(source=FLATTENED), host, relayed))
+
+
+def test_the_cases_models_have_no_buffers():
+    """The contract's model has none: DDP broadcasts buffers before every synchronised forward,
+    which the setup budget does not allow for."""
+    settings = [s for group in checks.VISIBLE_SETTINGS.values() for s in group]
+    settings += [s for _, group in hidden.HIDDEN for s in group]
+    for s in settings:
+        assert not list(checks.initial_model(s, 0).buffers()), s
+
+
 def observations(world_size=2, s=None):
     from ddpcourse.grading.checks import run_observation
     from ddpcourse.launcher import pickle_by_value
@@ -213,6 +305,10 @@ def test_the_judge_reads_reports_as_untrusted_data():
         (["weights"], {**weights, "extra": torch.zeros(1)}, "as float32 tensors"),
         (["returned"], "int", "must return None"),
         (["data_seed"], 5, "not the case's"),
+        (["unrelayed_calls"], [["all_reduce", 4]], r"never carried \(\[4\]"),
+        (["unrelayed_calls"], [["broadcast", 4]] * 9, "never carried"),
+        (["unrelayed_calls"], [["all_reduce", "4"]], "malformed"),
+        (["unrelayed_calls"], "none", "'unrelayed_calls' of type str"),
         ([], None, "lacks 'raised'"),
     ]
     for path, value, message in forged:

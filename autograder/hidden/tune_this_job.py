@@ -8,7 +8,9 @@ and 4 ranks with a frozen bias and ``accumulation_steps`` larger than the number
 micro-batches, both with data drawn from seeds each rank picks at random (so no rank can rebuild
 another's micro-batches: the gradients must travel).
 Every situation runs the visible module's ``observe_job``, audited, so when a class is graded
-the communication is counted by the grader's broker.
+the communication is counted by the grader's broker. Then ``BAD_STEPS`` on 2 ranks:
+``accumulation_steps`` 0 and -2 must raise ValueError before the model changes or anything is
+sent.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddpcourse.grading.checks import Case, expect_close
-from ddpcourse.grading.exercises.tune_this_job import (ATOL, RTOL, initial_model, judge_job,
-                                                       micro_batches, observe_job, run_settings,
-                                                       setting)
+from ddpcourse.grading.checks import Case, expect_close, run_student
+from ddpcourse.grading.exercises.tune_this_job import (ATOL, BAD_STEPS, RTOL, initial_model,
+                                                       judge_job, micro_batches, observe_job,
+                                                       run_settings, setting)
 
 
 def reference_run(s: dict, world_size: int, data_seeds: list[int]) -> dict[str, torch.Tensor]:
@@ -57,6 +59,7 @@ HIDDEN = [
     (3, [setting(7, 3, seed=None, lr=0.2)]),
     (4, [setting(2, 5, rows=3, seed=None, variant="frozen")]),
 ]
+BAD_VALUES = [0, -2]
 
 
 def check_tune_this_job(tune_this_job) -> None:
@@ -64,3 +67,4 @@ def check_tune_this_job(tune_this_job) -> None:
     for world_size, settings in HIDDEN:
         run_settings(JOB_WITH_REFERENCE, tune_this_job, world_size, settings,
                      hide_internals=True)
+    run_student(BAD_STEPS, 2, tune_this_job, BAD_VALUES, hide_internals=True)

@@ -25,9 +25,10 @@
 # (gloo, CPU, 1 to 4 ranks) with a model (each rank's built from a different seed), this rank's
 # micro-batches, `accumulation_steps` and a learning rate. Your function wraps the model in
 # `DistributedDataParallel` itself: the constructor's arguments are part of the tuning. The
-# tests count every collective your ranks make — when the class is graded, by the grader's relay
-# between the ranks, which your code cannot bypass — and compare the trained weights with what
-# the slow job computes (within 1e-5: float32 sums in another order differ in the last bits).
+# tests count every collective your ranks make, on any process group — when the class is graded,
+# by the grader's relay between the ranks, which your code cannot bypass — and compare the
+# trained weights with what the slow job computes (within 1e-5: float32 sums in another order
+# differ in the last bits).
 #
 # **Self-check** from the repository root: `pytest exercises/10_performance/tune_this_job.ipynb`.
 # Hidden tests (1 and 4 ranks, a frozen parameter, data no rank can guess, edge cases) run when
@@ -97,29 +98,42 @@ def tune_this_job(model: nn.Module, micro_batches: list, accumulation_steps: int
     micro-batches (the last group shorter when the count is not a multiple; no micro-batches: no
     step), ONE plain SGD step (`lr`, no momentum) on the gradient of the MSE loss averaged over
     the group's micro-batches and over all ranks. Train `model` itself, in place (wrap it in
-    `DistributedDataParallel`; the tests read `model`'s parameters afterwards).
+    `DistributedDataParallel`, whose constructor copies rank 0's initial values to every rank;
+    the tests read `model`'s parameters afterwards). Which code all-reduces the gradients is
+    yours to choose: DDP's reducer with its knobs set right, or an all-reduce of your own (say,
+    of one flattened gradient, after backwards under `no_sync()`): the tests count what is sent,
+    not who sends it.
 
-    The budget, counted over the whole call by the tests:
+    The budget, counted over the whole call by the tests, on every process group (the default
+    one and any you create: a group of your own is communication too):
 
     * the all-reduces carry exactly the model's trainable gradient bytes ONCE per optimizer step
       (every gradient element once; with one rank, at most that) and nothing else: no logged
       loss, nothing DDP sends only because of a constructor argument this model does not need;
     * at most `max(1, ceil(gradient bytes / 1 MiB))` all-reduce calls per optimizer step;
     * no collective besides all-reduces, except what DDP does for its own setup (an all-gather
-      that checks the parameters' shapes, broadcasts of rank 0's parameters and buffers and,
-      after the first step, of the rebuilt buckets' order): at most 6 such calls, and at most
-      the model's parameter and buffer bytes + 1 KiB.
+      that checks the parameters' shapes, broadcasts of rank 0's parameters and, after the
+      first step, of the rebuilt buckets' order): at most 6 such calls, and at most the model's
+      parameter bytes + 1 KiB.
 
     Args:
-        model: this rank's model (every parameter takes part in every forward).
+        model: this rank's model: every parameter takes part in every forward, and it has no
+            buffers (DDP would broadcast buffers before every synchronised forward, which this
+            budget does not allow for).
         micro_batches: this rank's list of `(inputs, targets)` pairs.
         accumulation_steps: micro-batches per optimizer step, an int >= 1.
         lr: SGD's learning rate.
 
     Returns:
         None: `model` is trained in place.
+
+    Raises:
+        ValueError: `accumulation_steps` is less than 1 (raised first: before `model` changes
+            or anything is sent).
     """
     ### BEGIN SOLUTION
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be at least 1, not {accumulation_steps}")
     ddp_model = DDP(model)  # default buckets; every parameter is used: no unused-parameter search
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     for start in range(0, len(micro_batches), accumulation_steps):
@@ -165,7 +179,7 @@ print("passed")
 # %% nbgrader={"grade": true, "grade_id": "test-job-hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 # Hidden tests: they run when your notebook is graded.
 # (3 points) 1, 3 and 4 ranks, a frozen bias, data drawn at random on each rank, more
-# accumulation steps than micro-batches, no micro-batches.
+# accumulation steps than micro-batches, no micro-batches, accumulation_steps < 1.
 from ddpcourse.grading import integrity
 integrity.assert_untampered()
 ### BEGIN HIDDEN TESTS

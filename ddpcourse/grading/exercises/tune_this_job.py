@@ -1,16 +1,20 @@
-"""Chapter 10, tune this job: visible checks for ``tune_this_job``, and the case the hidden checks
+"""Chapter 10, tune this job: visible checks for ``tune_this_job``, and the cases the hidden checks
 reuse.
 
 The contract is the docstring of ``tune_this_job`` in solutions/10_performance/tune_this_job.nb.py
 (students: exercises/10_performance/tune_this_job.ipynb): train like the given ``slow_job``
 (same numerics) within a communication budget.
 
-One :class:`~ddpcourse.grading.checks.Case`, ``JOB``, audited (``audit_traffic=True``). Each rank
-builds the model from a seed of its own (only DDP's broadcast of rank 0's state makes the
-replicas start alike) and its own micro-batches, and calls the student's function, which wraps
-the model in DDP itself (the knobs are the exercise). It reports the parameters afterwards and
-the communication: in the student's notebook what an in-rank audit saw, when a class is graded
-what the grader's broker carried (autograder/relayed.py), which the student's code cannot bypass.
+The main :class:`~ddpcourse.grading.checks.Case`, ``JOB``, is audited (``audit_traffic=True``).
+Each rank builds the model from a seed of its own (only DDP's broadcast of rank 0's state makes
+the replicas start alike) and its own micro-batches, and calls the student's function, which
+wraps the model in DDP itself (the knobs are the exercise). It reports the parameters afterwards
+and the communication: in the student's notebook what an in-rank audit saw; when a class is
+graded what the grader's broker carried (autograder/relayed.py), which the student's code cannot
+bypass, and beside it what an in-rank audit saw that the broker did not carry. A process group of
+the student's own (``dist.new_group(backend="gloo")``) never reaches the broker: with several
+ranks it cannot form (each sandbox has its own store and network), but with one rank it can,
+and its collectives (a logged loss) would otherwise go uncounted.
 
 The judge, which never runs the student's code, decides:
 
@@ -29,20 +33,28 @@ The judge, which never runs the student's code, decides:
 
 The hidden cases also draw every rank's data from a seed the rank picks at random and reports,
 so no rank can rebuild another's micro-batches: the gradients must travel.
+
+``BAD_STEPS``, also audited, run by the hidden checks: ``accumulation_steps`` < 1 raises
+ValueError on every rank, before the model changes (each rank's model starts from its own seed,
+so a DDP built first shows on rank 1) and before anything is sent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
+from collections import Counter
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, cut_text,
-                                      judge_each_rank, observed, run_student, safe_text,
-                                      type_name)
+from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, collective_name,
+                                      cut_text, judge_each_rank, observed, run_student,
+                                      safe_text, type_name)
+from ddpcourse.grading.comm_audit import CommAudit
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 AUDITED_CASES_BUILD_DDP = True  # the grader's one-rank hosts preload what DDP imports
@@ -57,7 +69,9 @@ _MAX_TEXT = 300  # of a text a rank reports, in a message
 
 class Net(nn.Module):
     """A small MLP. Every parameter takes part in every step (``find_unused_parameters`` is
-    never needed); variant "frozen": the first layer's bias does not require grad."""
+    never needed), and it has no buffers (the contract says so: DDP broadcasts a model's buffers
+    before every synchronised forward, which the setup budget does not cover); variant "frozen":
+    the first layer's bias does not require grad."""
 
     def __init__(self, variant: str = "plain"):
         super().__init__()
@@ -110,15 +124,16 @@ def gradient_bytes(s: dict) -> int:
                if p.requires_grad)
 
 
-def state_bytes(s: dict) -> int:
-    """The model's parameters and buffers: what DDP's constructor broadcasts from rank 0."""
-    model = initial_model(s, 0)
-    return sum(t.numel() * t.element_size()
-               for t in [*model.parameters(), *model.buffers()])
+def parameter_bytes(s: dict) -> int:
+    """The model's parameters: what DDP's constructor broadcasts from rank 0 (the models have no
+    buffers)."""
+    return sum(p.numel() * p.element_size() for p in initial_model(s, 0).parameters())
 
 
 # What DDP communicates for its own setup (torch 2.13, gloo, counted): in the constructor an
-# all-gather of 16 bytes checking the parameters' shapes and two broadcasts of rank 0's state;
+# all-gather of 16 bytes checking the parameters' shapes and two broadcasts of rank 0's state
+# (the parameters: the models have no buffers, which DDP would also broadcast before every
+# synchronised forward, ``DistributedDataParallel._pre_forward``, outside this budget);
 # before the second step's forward a broadcast of the rebuilt buckets' order from rank 0
 # (``Reducer::sync_bucket_indices``). Under the names the in-rank audit and the grader's broker
 # give them, with a little room for other torch versions.
@@ -146,7 +161,7 @@ def observe_job(rank, world_size, tune_this_job, s):
     data_seed = data_seed_of(s, rank)
     batches = micro_batches(s, data_seed)
     raised = None
-    with audited_traffic() as traffic:
+    with unrelayed_calls() as unrelayed, audited_traffic() as traffic:
         try:
             returned = tune_this_job(model, batches, s["k"], s["lr"])
         except Exception as exc:  # noqa: BLE001 - reported, judged outside
@@ -158,7 +173,23 @@ def observe_job(rank, world_size, tune_this_job, s):
         "data_seed": data_seed,
         "weights": {name: p.detach().clone() for name, p in model.named_parameters()},
         "traffic": traffic,
+        "unrelayed_calls": unrelayed or None,
     }
+
+
+@contextlib.contextmanager
+def unrelayed_calls():
+    """On the relay backend (a class graded): ``with unrelayed_calls() as calls: ...`` leaves in
+    ``calls`` ``[[name, bytes]]`` of every collective the block dispatched in this rank on a
+    process group other than the relay's (the relay's own go past the dispatcher, to the broker,
+    which counts them). Elsewhere ``calls`` stays empty: ``audited_traffic`` sees every group."""
+    calls: list = []
+    if not (dist.is_initialized() and dist.get_backend() == "relay"):
+        yield calls
+        return
+    with CommAudit() as audit:
+        yield calls
+    calls += [[collective_name(op), nbytes] for op, nbytes in audit.record.collective_calls]
 
 
 # --- in the judge ------------------------------------------------------------------------------
@@ -172,7 +203,10 @@ def _shown(s: dict, world_size: int) -> str:
 
 def all_reduces(call: Any, what: str) -> tuple[list[int], list[tuple[str, int]]]:
     """The bytes of every all-reduce of the call, and the other collectives (name, bytes)."""
-    calls = observed(observed(call, "traffic", dict), "collective_calls", list)
+    return split_calls(observed(observed(call, "traffic", dict), "collective_calls", list), what)
+
+
+def split_calls(calls: list, what: str) -> tuple[list[int], list[tuple[str, int]]]:
     sizes, others = [], []
     for entry in calls:
         if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
@@ -206,7 +240,26 @@ def budget_advice(sizes: list[int], per_sync: int, steps: int, n_params: int) ->
         "optimizer step"
 
 
+def judge_unrelayed(call: Any, what: str) -> None:
+    """When a class is graded: every collective the rank saw itself must be one the broker
+    carried (an all-reduce of the same size; as many other collectives at least)."""
+    unrelayed = observed(call, "unrelayed_calls", (list, type(None)))
+    if not unrelayed:
+        return
+    own_sizes, own_others = split_calls(unrelayed, what)
+    sizes, others = all_reduces(call, what)
+    missing = Counter(own_sizes) - Counter(sizes)
+    if missing or len(own_others) > len(others):
+        shown = sorted(missing.elements()) or sorted(name for name, _ in own_others)
+        raise CheckFailed(
+            f"{what}: your rank made collectives that the grader's relay between the ranks never "
+            f"carried ({cut_text(shown, 200)}; all-reduces by their bytes): they went over a "
+            "process group of your own (dist.new_group), and the budget counts every collective "
+            "on any group: no logged loss")
+
+
 def judge_budget(call: Any, s: dict, world_size: int, what: str) -> None:
+    judge_unrelayed(call, what)
     sizes, others = all_reduces(call, what)
     steps = optimizer_steps(s)
     per_sync = gradient_bytes(s)
@@ -224,7 +277,7 @@ def judge_budget(call: Any, s: dict, world_size: int, what: str) -> None:
             f"({cut_text(sizes, 200)}). {budget_advice(sizes, per_sync, steps, n_params)}")
     unexpected = sorted(set(name for name, _ in others) - CONSTRUCTION_COLLECTIVES)
     other_bytes = sum(nbytes for _, nbytes in others)
-    allowed_bytes = state_bytes(s) + CONSTRUCTION_EXTRA_BYTES
+    allowed_bytes = parameter_bytes(s) + CONSTRUCTION_EXTRA_BYTES
     if unexpected or len(others) > CONSTRUCTION_CALLS or other_bytes > allowed_bytes:
         raise CheckFailed(
             f"{what}: besides all-reduces, only DDP's own setup may communicate (broadcasts of "
@@ -348,6 +401,57 @@ def judge_visible_job(observations, world_size, s) -> None:
 
 
 JOB = Case(observe_job, judge_visible_job, audit_traffic=True)
+
+
+def observe_bad_steps(rank, world_size, tune_this_job, values):
+    """``tune_this_job`` with each bad ``accumulation_steps``, on a fresh model each: what it
+    raised, and whether the model was left as it was; the traffic of all the calls together."""
+    s = setting(2, 1, seed=0)
+    calls = []
+    with audited_traffic() as traffic:
+        for k in values:
+            model = initial_model(s, rank)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            try:
+                returned = tune_this_job(model, micro_batches(s, data_seed_of(s, rank)), k,
+                                         s["lr"])
+                raised = None
+            except Exception as exc:  # noqa: BLE001 - reported, judged outside
+                returned, raised = None, exc
+            calls.append({"value_error": isinstance(raised, ValueError),
+                          "raised": None if raised is None else type(raised).__name__,
+                          "returned": type_name(returned),
+                          "unchanged": all(torch.equal(p, before[n])
+                                           for n, p in model.named_parameters())})
+    return {"calls": calls, "traffic": traffic}
+
+
+def judge_bad_steps(observations, world_size, values):
+    def judge_rank(rank, observation):
+        calls = observed(observation, "calls", list)
+        if len(calls) != len(values):
+            raise CheckFailed("the rank's report has the wrong number of calls")
+        for call, k in zip(calls, values):
+            what = f"tune_this_job(..., accumulation_steps={k!r})"
+            if observed(call, "value_error", bool) is not True:
+                raised = observed(call, "raised", (str, type(None)))
+                got = (f"it raised {cut_text(raised, 80)}" if raised else
+                       f"it returned {cut_text(observed(call, 'returned', str), 80)}")
+                raise CheckFailed(f"{what}: expected ValueError (accumulation_steps must be an "
+                                  f"int >= 1), {got}")
+            if observed(call, "unchanged", bool) is not True:
+                raise CheckFailed(f"{what}: the model changed before the ValueError (was it "
+                                  "wrapped in DDP first?): check the argument first")
+        sent = observed(observed(observation, "traffic", dict), "collective_calls", list)
+        if sent:
+            raise CheckFailed(f"tune_this_job with accumulation_steps {list(values)}: "
+                              f"{len(sent)} collective call(s) before the ValueError: check the "
+                              "argument first, before anything is sent")
+
+    judge_each_rank(observations, judge_rank)
+
+
+BAD_STEPS = Case(observe_bad_steps, judge_bad_steps, audit_traffic=True)
 
 
 def run_settings(case: Case, tune_this_job, world_size: int, settings: list[dict],
