@@ -22,17 +22,15 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from fake_class import EXPECTED, write_class
+from fake_class import ASSIGNMENT, EXPECTED, LAYOUT, MAX_POINTS, handed_in, write_class
 
 ROOT = Path(__file__).resolve().parent.parent
+# allreduce_by_hand's test cells of each function (a wrong function loses exactly these)
 AVERAGE_CELLS = ["test-average-gradients-two-ranks", "test-average-gradients-skips-missing",
                  "test-average-gradients-hidden"]
 RING_CELLS = ["test-ring-allreduce-two-ranks", "test-ring-allreduce-world-sizes",
               "test-ring-allreduce-bandwidth", "test-ring-allreduce-hidden"]
-PART2_CELLS = ["test-broadcast-parameters-two-ranks", "test-broadcast-parameters-buffers-and-frozen",
-               "test-broadcast-parameters-hidden", "test-bucketed-ddp-matches-one-process",
-               "test-bucketed-ddp-one-allreduce-per-bucket", "test-bucketed-ddp-overlaps-backward",
-               "test-bucketed-ddp-hidden"]
+PART2_CELLS = [grade_id for grade_id, _ in LAYOUT["bucketed_ddp"].cells]
 GRADED_ELSEWHERE = ("bob", "mallory", "oscar")
 CLASS = [student for student in EXPECTED if student not in GRADED_ELSEWHERE]
 # Grading the class is the slowest thing the suite does (each worker's steps and their seconds are
@@ -59,7 +57,7 @@ def grade(class_root: Path, out: Path, jobs: int = 3) -> tuple[dict[str, dict], 
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "autograder", "grade", str(class_root / "submitted"),
-         "--assignment", "05_allreduce", "--out", str(out), "--jobs", str(jobs),
+         "--assignment", ASSIGNMENT, "--out", str(out), "--jobs", str(jobs),
          "--cell-timeout", "30", "--student-timeout", "600"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     elapsed = time.monotonic() - start
@@ -80,6 +78,22 @@ def by_grade_id(row: dict) -> dict:
         if colon and rest.endswith(")"):
             cells[rest.rsplit(" (", 1)[0]] = value
     return {**row, **cells}
+
+
+def full_marks(slug: str, *lost: str) -> dict[str, str]:
+    """Each test cell of notebook ``slug`` with its points as the CSV writes them, 0 in ``lost``."""
+    return {grade_id: "0" if grade_id in lost else f"{points:g}"
+            for grade_id, points in LAYOUT[slug].cells}
+
+
+def assert_missing_notebooks_score_zero(row: dict, student: str) -> None:
+    """Every notebook of the assignment that ``student`` did not hand in: its subtotal and each
+    of its cells 0 in the student's CSV row."""
+    for slug, notebook in LAYOUT.items():
+        if slug not in handed_in(student):
+            assert row[notebook.column] == "0", (student, slug)
+            assert all(row[notebook.cell_column(grade_id, points)] == "0"
+                       for grade_id, points in notebook.cells), (student, slug)
 
 
 def repository_digest() -> dict[str, str]:
@@ -107,18 +121,21 @@ def test_every_student_is_in_the_csv_with_the_points_they_earned(graded):
     assert sorted(rows) == sorted(CLASS)
     got = {s: (float(r["score"]), r["status"]) for s, r in rows.items()}
     assert got == {s: (float(EXPECTED[s][0]), EXPECTED[s][1]) for s in CLASS}
-    assert all(r["max_score"] == "26" for r in rows.values())
+    assert all(r["max_score"] == f"{MAX_POINTS:g}" for r in rows.values())
 
 
-def test_both_notebooks_are_graded_and_a_missing_one_scores_zero(graded):
-    """alice hands in both notebooks, everyone else here only the first (oscar, who hands in
-    only the second: tests/test_autograder_shards.py)."""
+def test_every_notebook_handed_in_is_graded_and_a_missing_one_scores_zero(graded):
+    """alice hands in both of the fake class's notebooks, everyone else here only the first
+    (oscar, who hands in only the second: tests/test_autograder_shards.py); every other notebook
+    of the assignment is missing for all of them."""
     rows, out = graded[:2]
     alice = rows["alice"]
-    assert [alice[c] for c in PART2_CELLS] == ["1", "1", "1", "3", "2", "2", "3"]
-    for student in set(CLASS) - {"alice"}:
-        assert all(rows[student][c] == "0" for c in PART2_CELLS), student
-    assert (out / "feedback" / "alice" / "05_allreduce" / "bucketed_ddp.html").exists()
+    assert set(handed_in("alice")) == {"allreduce_by_hand", "bucketed_ddp"}
+    assert {c: alice[c] for c in PART2_CELLS} == full_marks("bucketed_ddp")
+    assert alice[LAYOUT["bucketed_ddp"].column] == f"{LAYOUT['bucketed_ddp'].points:g}"
+    for student in CLASS:
+        assert_missing_notebooks_score_zero(rows[student], student)
+    assert (out / "feedback" / "alice" / ASSIGNMENT / "bucketed_ddp.html").exists()
 
 
 def test_a_wrong_answer_loses_exactly_the_points_of_its_cells(graded):
@@ -145,12 +162,12 @@ def assert_small_feedback_without_hidden_checks(out: Path, student: str) -> None
     """A page for each notebook of the student, handed in or not (tests/test_autograder_regrade.py),
     each under 3 MB and without a line of the hidden checks' code. Also asserted of the students
     other files grade (bob, mallory, oscar)."""
-    hidden_source = "\n".join((ROOT / "autograder/hidden" / name).read_text()
-                              for name in ("allreduce_by_hand.py", "bucketed_ddp.py"))
+    hidden_source = "\n".join((ROOT / "autograder/hidden" / f"{slug}.py").read_text()
+                              for slug in LAYOUT)
     secret_lines = [line.strip() for line in hidden_source.splitlines()
                     if line.strip().startswith("(") or "_hidden(" in line]
-    pages = sorted((out / "feedback" / student / "05_allreduce").glob("*.html"))
-    assert [page.stem for page in pages] == ["allreduce_by_hand", "bucketed_ddp"], student
+    pages = sorted((out / "feedback" / student / ASSIGNMENT).glob("*.html"))
+    assert [page.stem for page in pages] == sorted(LAYOUT), student
     for page in pages:
         assert page.stat().st_size < 3_000_000, f"{student}'s {page.name}: {page.stat().st_size} B"
         text = page.read_text()
@@ -248,7 +265,9 @@ def test_no_submission_can_write_what_the_grader_or_another_student_reads(graded
                       if cell.cell_type == "code" for output in cell.outputs)
     assert "'OSError'" in printed and "WROTE" not in printed  # every attempt refused
     assert "# tampered" not in (out / "grades.csv").read_text()  # the line her cell appends
-    assert float(rows["wanda"]["score"]) == 13  # her honest code, graded as earned
+    # her honest code, graded as earned: every point of the one notebook she hands in
+    assert list(handed_in("wanda")) == ["allreduce_by_hand"]
+    assert float(rows["wanda"]["score"]) == LAYOUT["allreduce_by_hand"].points
 
 
 def test_output_is_capped_below_the_kernels_streams(graded):
@@ -274,4 +293,4 @@ def test_hidden_checks_solutions_and_history_cannot_be_read(graded):
             assert line.strip() not in page
     solution = (ROOT / "solutions/05_allreduce/allreduce_by_hand.nb.py").read_text()
     assert "### BEGIN SOLUTION" not in page and solution[-400:] not in page
-    assert float(rows["wanda"]["score"]) == 13
+    assert float(rows["wanda"]["score"]) == LAYOUT["allreduce_by_hand"].points

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import pytest
 
+from autograder import gradesheet
 from autograder.__main__ import main
 from autograder.sources import SOLUTIONS, assignments, exercises
 
 
 def test_the_assignments_are_the_folders_of_solutions():
+    """Each folder of solutions/ with a notebook is an assignment, and each of its notebooks (not
+    their .nb.py twins) an exercise, in the order of their names: the grader's layout too."""
     folders = sorted(p.name for p in SOLUTIONS.iterdir() if p.is_dir() and list(p.glob("*.ipynb")))
     assert assignments() == folders
     assert {e.assignment for e in exercises()} == set(folders)
-    assert [e.slug for e in exercises() if e.assignment == "05_allreduce"] == [
-        "allreduce_by_hand", "bucketed_ddp"]
+    for folder in folders:
+        notebooks = sorted(p.name.removesuffix(".ipynb")
+                           for p in (SOLUTIONS / folder).iterdir() if p.name.endswith(".ipynb"))
+        assert [e.slug for e in exercises() if e.assignment == folder] == notebooks, folder
+        assert [notebook.slug for notebook in gradesheet.layout(folder)] == notebooks, folder
+    # an assignment may hold several exercises (05_allreduce does)
+    assert any(len(gradesheet.layout(folder)) > 1 for folder in folders)
 
 
 def test_grade_refuses_to_guess_the_assignment(tmp_path, capsys):

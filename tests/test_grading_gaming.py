@@ -25,6 +25,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from autograder import gradesheet
+from autograder.sources import exercises
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDENT = "gamer"
@@ -147,7 +149,9 @@ def train(ddp_model, optimizer, batch_at, total_steps, checkpoint_dir, checkpoin
         on_step(step)
 '''
 
-# Per exercise of chapters 00-08: the functions that computed an answer in its visible checks
+# Every exercise, found from solutions/ as the grader finds them: a new one is checked too.
+EXERCISES = [exercise.slug for exercise in exercises()]
+# Per exercise (of chapters 00-08): the functions that computed an answer in its visible checks
 # before they moved to autograder/hidden (each yields the expected result of any case).
 MOVED = {
     "ddp_same_as_one_process": ["reference_run", "train_single_process"],
@@ -160,31 +164,65 @@ MOVED = {
     "train_steps": ["reference_run"],
     "survive_a_killed_worker": ["uninterrupted_weights"],
 }
-EXERCISES = ["health_check", "ddp_same_as_one_process", "memory_per_rank", "torchrun_from_slurm",
-             "ranks_from_env", "allreduce_by_hand", "bucketed_ddp", "sampler_by_hand",
-             "fix_the_loop", "global_metrics", "train_steps", "resumable_checkpoint",
-             "survive_a_killed_worker"]
+# Per exercise: the functions both modules define on purpose, each with a body of its own. From
+# chapter 09 on, a visible judge or check runs the visible cases against values written out in
+# the visible module, and the hidden one of the same name runs the hidden cases with the
+# reference; the visible ``written_out`` looks the written-out values up, the hidden one
+# computes them from the reference.
+SAME_NAME = {
+    "collectives_that_hang": ["judge_log", "judge_evaluate", "judge_shard", "judge_skip",
+                              "judge_gather", "written_out"],
+    "ddp_errors": ["judge_unused", "judge_resume", "judge_checkpointed", "written_out"],
+    "replicas_that_disagree": ["judge_temperature", "judge_batchnorm", "written_out"],
+    "wrong_numbers": ["judge_accuracy", "judge_epochs", "judge_clipped", "check_accuracy",
+                      "check_train_epochs", "check_train_clipped", "written_out"],
+    "fit_cost_model": ["check_predict_step_time"],
+}
+
+
+def own_functions(module) -> dict:
+    return {name: value for name, value in vars(module).items()
+            if inspect.isfunction(value) and value.__module__ == module.__name__}
+
+
+def test_the_lists_name_only_exercises_that_exist():
+    """MOVED, SAME_NAME and CHAPTERS name exercises by hand: a name that is not (or no longer)
+    an exercise fails here rather than checking nothing."""
+    slugs = set(EXERCISES)
+    assert sorted(set(MOVED) - slugs) == [] and sorted(set(SAME_NAME) - slugs) == []
+    pairs = {(exercise.assignment, exercise.slug) for exercise in exercises()}
+    assert sorted({(a, notebook) for a, (notebook, _, _) in CHAPTERS.items()} - pairs) == []
 
 
 @pytest.mark.parametrize("slug", EXERCISES)
 def test_no_visible_checks_module_holds_a_reference(slug):
     """Mechanically: no function the hidden checks define (their references, and judges that use
-    them) is also in the visible module; and none of the functions listed above is back."""
+    them) is also in the visible module, but those of SAME_NAME, each a function of its own in
+    both; and none of the functions listed in MOVED is back."""
     visible = importlib.import_module(f"ddpcourse.grading.exercises.{slug}")
     hidden = importlib.import_module(f"autograder.hidden.{slug}")
-    own = [name for name, value in vars(hidden).items()
-           if inspect.isfunction(value) and value.__module__ == hidden.__name__]
-    assert not [name for name in own if hasattr(visible, name)]
+    own, same = own_functions(hidden), SAME_NAME.get(slug, [])
+    assert not [name for name in own if hasattr(visible, name) and name not in same]
+    for name in same:  # still defined by both, neither imported from the other
+        assert name in own and name in own_functions(visible), (slug, name)
     assert not [name for name in MOVED.get(slug, []) if hasattr(visible, name)]
 
 
+def points(assignment: str, slug: str) -> float:
+    """What notebook ``slug`` of ``assignment`` is worth (0 if it has no such notebook)."""
+    return sum(notebook.points for notebook in gradesheet.layout(assignment)
+               if notebook.slug == slug)
+
+
 CHAPTERS = {  # assignment: (notebook, {solution cell: code}, its points)
-    "05_allreduce": ("allreduce_by_hand", {"average-gradients": AVERAGE_GRADIENTS,
-                                           "ring-allreduce": RING_ALLREDUCE}, 13),
-    "06_data_loading": ("sampler_by_hand", {"shard-indices": SHARD_INDICES}, 6),
-    "07_training_loop": ("train_steps", {"train-steps": TRAIN_STEPS}, 8),
-    "08_checkpoints": ("survive_a_killed_worker", {"train": SURVIVE}, 10),
-}
+    assignment: (notebook, cells, points(assignment, notebook))
+    for assignment, (notebook, cells) in {
+        "05_allreduce": ("allreduce_by_hand", {"average-gradients": AVERAGE_GRADIENTS,
+                                               "ring-allreduce": RING_ALLREDUCE}),
+        "06_data_loading": ("sampler_by_hand", {"shard-indices": SHARD_INDICES}),
+        "07_training_loop": ("train_steps", {"train-steps": TRAIN_STEPS}),
+        "08_checkpoints": ("survive_a_killed_worker", {"train": SURVIVE}),
+    }.items()}
 
 
 def submission(assignment: str, notebook: str, cells: dict[str, str]) -> nbformat.NotebookNode:

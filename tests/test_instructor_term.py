@@ -25,13 +25,17 @@ import pytest
 from test_autograder import processes_marked
 from test_nbgrader_invocation import solved
 
+from autograder import gradesheet
+
 ROOT = Path(__file__).resolve().parent.parent
 TERM = ROOT / "autograder/TERM.md"
 ASSIGNMENT, SLUG = "00_setup", "health_check"
 STUDENT_MARK = "# each student, in their own account:"
 ROSTER = ("id,first_name,last_name,email,lms_user_id\n"
           "alice,Alice,Liddell,alice@example.org,u-1\nbob,Bob,Builder,bob@example.org,u-2\n")
-OVERRIDDEN = "health_check:test-self-test-healthy-group"
+# SLUG in the assignment's layout (autograder/gradesheet.py): its cells and points
+NOTEBOOK = next(notebook for notebook in gradesheet.layout(ASSIGNMENT) if notebook.slug == SLUG)
+OVERRIDDEN = "test-self-test-healthy-group"  # the cell of SLUG whose score TERM.md sets: 1 for bob
 BLOCK_DEADLINE_S = 900  # only catches a hang: grading the two takes ~30 s
 
 
@@ -107,14 +111,16 @@ def test_every_block_ran_and_both_students_were_graded(term):
     rows = read_rows(course / "autograder/course/grades.csv")
     assert sorted(rows) == ["alice", "bob"]
     assert all(row["status"] == "graded" for row in rows.values())
-    assert float(rows["alice"]["raw_score"]) == 7.0  # every point, hidden tests included
+    # every point of her notebook, hidden tests included
+    assert float(rows["alice"]["raw_score"]) == NOTEBOOK.points
     assert (rows["bob"]["last_name"], rows["bob"]["lms_user_id"]) == ("Builder", "u-2")
 
 
 def test_the_override_reached_the_csv(term):
     course, _, _ = term
     bob = read_rows(course / "autograder/course/grades.csv")["bob"]
-    assert bob[f"{OVERRIDDEN} (1)"] == "1" and float(bob["raw_score"]) == 1.0
+    column = NOTEBOOK.cell_column(OVERRIDDEN, dict(NOTEBOOK.cells)[OVERRIDDEN])
+    assert bob[column] == "1" and float(bob["raw_score"]) == 1.0
     assert "the idea is right; checked by hand" in bob["notes"]
 
 
@@ -128,12 +134,15 @@ def test_nbgrader_export_gives_the_scores_of_grades_csv(term):
 
 def test_each_student_fetched_only_their_own_feedback_with_the_total(term):
     _, homes, _ = term
+    maximum = gradesheet.max_points(ASSIGNMENT)
     for student, home in homes.items():
-        pages = list((home / ASSIGNMENT / "feedback").glob("*/*.html"))
-        assert [page.name for page in pages] == [f"{SLUG}.html"], (student, pages)
-        text = pages[0].read_text()
-        assert re.search(rf"{ASSIGNMENT}: [\d.]+ of 7 points", text), student
-    bob = next((homes["bob"] / ASSIGNMENT / "feedback").glob("*/*.html")).read_text()
+        pages = sorted((home / ASSIGNMENT / "feedback").glob("*/*.html"))
+        assert [page.name for page in pages] == [
+            f"{notebook.slug}.html" for notebook in gradesheet.layout(ASSIGNMENT)], (student, pages)
+        for page in pages:
+            assert re.search(rf"{ASSIGNMENT}: [\d.]+ of {maximum:g} points", page.read_text()), (
+                student, page.name)
+    bob = next((homes["bob"] / ASSIGNMENT / "feedback").glob(f"*/{SLUG}.html")).read_text()
     assert "the idea is right; checked by hand" in bob
 
 

@@ -1,10 +1,12 @@
 """A small fake class for the autograder's tests: one submission per way a student can go wrong.
 
 Each submission starts from the committed student release of 05_allreduce and fills in (or
-breaks) cells, exactly as a student editing the notebook would. The assignment has two notebooks,
-``allreduce_by_hand`` (13 points) and ``bucketed_ddp`` (13 points); most students hand in only the
-first, which must not stop nbgrader from grading it (the missing one scores 0). ``EXPECTED`` says
-what each must score out of 26, and with which status.
+breaks) cells, exactly as a student editing the notebook would. The students hand in
+``allreduce_by_hand``, ``bucketed_ddp`` or both (:func:`handed_in`); most hand in only the first,
+which must not stop nbgrader from grading it (every notebook of the assignment not handed in
+scores 0). ``EXPECTED`` says what each must score, and with which status; what the assignment is
+worth, notebook by notebook, is read from its source notebooks as the grader reads it
+(:data:`LAYOUT`, :data:`MAX_POINTS`), so that a notebook added to the assignment changes no test.
 """
 
 from __future__ import annotations
@@ -14,10 +16,16 @@ from pathlib import Path
 
 import nbformat
 
+from autograder import gradesheet
 from autograder.sources import grade_id, solution_code
 from fake_class.hostile import hostile_class
 
 ROOT = Path(__file__).resolve().parents[2]
+ASSIGNMENT = "05_allreduce"
+# The assignment's notebooks by slug, each with its graded cells and points, and its maximum:
+# autograder/gradesheet.py, which the grader's CSV and feedback use.
+LAYOUT = {notebook.slug: notebook for notebook in gradesheet.layout(ASSIGNMENT)}
+MAX_POINTS = gradesheet.max_points(ASSIGNMENT)
 RELEASE = ROOT / "exercises/05_allreduce/allreduce_by_hand.ipynb"
 SOLUTIONS = ROOT / "solutions/05_allreduce/allreduce_by_hand.ipynb"
 PART2_RELEASE = ROOT / "exercises/05_allreduce/bucketed_ddp.ipynb"
@@ -130,7 +138,7 @@ PART2 = {
                    release=PART2_RELEASE),
 }
 
-# student -> (score out of 26, status)
+# student -> (score, status); the most a student can score is MAX_POINTS
 EXPECTED = {
     "alice": (26, "graded"),
     "bob": (9, "graded"),
@@ -163,19 +171,29 @@ def solved_release(exercise) -> nbformat.NotebookNode:
     return notebook
 
 
+def handed_in(student: str) -> dict[str, nbformat.NotebookNode]:
+    """The notebooks ``student`` hands in, by slug (every other notebook of the assignment is
+    missing from their submission)."""
+    notebooks = {}
+    if student in SUBMISSIONS:
+        notebooks["allreduce_by_hand"] = SUBMISSIONS[student]
+    if student in PART2:
+        notebooks["bucketed_ddp"] = PART2[student]
+    assert notebooks and set(notebooks) <= set(LAYOUT), (student, sorted(LAYOUT))
+    return notebooks
+
+
 def write_class(root: Path, students=None) -> Path:
     """Write ``root/submitted/{student}/05_allreduce/{notebook}.ipynb``; return ``root``."""
     for student in students or EXPECTED:
-        folder = root / "submitted" / student / "05_allreduce"
+        folder = root / "submitted" / student / ASSIGNMENT
         folder.mkdir(parents=True, exist_ok=True)
-        if student in SUBMISSIONS:
-            nbformat.write(SUBMISSIONS[student], folder / "allreduce_by_hand.ipynb")
-        if student in PART2:
-            nbformat.write(PART2[student], folder / "bucketed_ddp.ipynb")
+        for slug, notebook in handed_in(student).items():
+            nbformat.write(notebook, folder / f"{slug}.ipynb")
     return root
 
 
-def gradebook_submissions(out: Path, assignment: str = "05_allreduce") -> dict[str, tuple]:
+def gradebook_submissions(out: Path, assignment: str = ASSIGNMENT) -> dict[str, tuple]:
     """What the course gradebook ``out/gradebook.db`` (nbgrader's database) holds for each
     student: (score after the late penalty, as nbgrader export's ``score``, flagged, {grade id:
     score}); a student without a submission is absent."""

@@ -133,7 +133,7 @@ except Exception as exc:
 
 
 def hostile_class(build, correct: dict, ring: str, average_floods: str) -> tuple[dict, dict]:
-    """(submissions, expected scores out of 26 with status) of the hostile students."""
+    """(submissions, expected scores with status) of the hostile students."""
     average = correct["average-gradients"]
     submissions = {
         # takes over the kernel, rebinds the checks in the ranks through aliases the static scan
