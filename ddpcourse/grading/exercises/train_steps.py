@@ -47,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, cut_text, expect_close,
                                       judge_each_rank, observed, run_student, safe_text, type_name)
+from ddpcourse.grading.raises_first import call_with_bad_argument, judge_raised_first
 from ddpcourse.grading.written_out import expect_digest
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
@@ -411,37 +412,16 @@ def observe_bad_steps(rank, world_size, train_steps, values):
     for k in values:
         s = setting(2, 1)
         ddp_model = DistributedDataParallel(make_model(rank_seed(0, rank)))
-        before = {n: p.detach().clone() for n, p in ddp_model.module.named_parameters()}
-        try:
-            returned = train_steps(ddp_model, micro_batches(s, rank),
-                                   make_optimizer(s, ddp_model), make_loss_fn(s), k)
-            raised = None
-        except Exception as exc:  # noqa: BLE001 - reported, judged outside
-            returned, raised = None, exc
-        calls.append({"value_error": isinstance(raised, ValueError),
-                      "raised": None if raised is None else type(raised).__name__,
-                      "returned_text": safe_text(lambda: repr(returned), _MAX_TEXT),
-                      "unchanged": all(torch.equal(p, before[n])
-                                       for n, p in ddp_model.module.named_parameters())})
+        calls.append(call_with_bad_argument(
+            lambda: train_steps(ddp_model, micro_batches(s, rank), make_optimizer(s, ddp_model),
+                                make_loss_fn(s), k), ddp_model.module))
     return {"calls": calls}
 
 
 def judge_bad_steps(observations, world_size, values):
     def judge_rank(rank, observation):
-        calls = observed(observation, "calls", list)
-        if len(calls) != len(values):
-            raise CheckFailed("the rank's report has the wrong number of calls")
-        for call, k in zip(calls, values):
-            what = f"train_steps(..., accumulation_steps={k!r})"
-            if observed(call, "value_error", bool) is not True:
-                raised = observed(call, "raised", (str, type(None)))
-                got = (f"it raised {cut_text(raised, 80)}" if raised else
-                       f"it returned {cut_text(observed(call, 'returned_text', str), 200)}")
-                raise CheckFailed(f"{what}: expected ValueError (accumulation_steps must be an "
-                                  f"int >= 1), {got}")
-            if observed(call, "unchanged", bool) is not True:
-                raise CheckFailed(f"{what}: the model changed before the ValueError; check the "
-                                  "argument first")
+        judge_raised_first(observed(observation, "calls", list), list(values), lambda k: f"train_steps(..., accumulation_steps={k!r})",
+                           "accumulation_steps must be an int >= 1", "check the argument first")
 
     judge_each_rank(observations, judge_rank)
 

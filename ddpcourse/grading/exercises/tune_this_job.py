@@ -55,6 +55,7 @@ from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, collec
                                       cut_text, judge_each_rank, observed, run_student,
                                       safe_text, type_name)
 from ddpcourse.grading.comm_audit import CommAudit
+from ddpcourse.grading.raises_first import call_with_bad_argument, judge_raised_first
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 AUDITED_CASES_BUILD_DDP = True  # the grader's one-rank hosts preload what DDP imports
@@ -411,37 +412,18 @@ def observe_bad_steps(rank, world_size, tune_this_job, values):
     with audited_traffic() as traffic:
         for k in values:
             model = initial_model(s, rank)
-            before = {n: p.detach().clone() for n, p in model.named_parameters()}
-            try:
-                returned = tune_this_job(model, micro_batches(s, data_seed_of(s, rank)), k,
-                                         s["lr"])
-                raised = None
-            except Exception as exc:  # noqa: BLE001 - reported, judged outside
-                returned, raised = None, exc
-            calls.append({"value_error": isinstance(raised, ValueError),
-                          "raised": None if raised is None else type(raised).__name__,
-                          "returned": type_name(returned),
-                          "unchanged": all(torch.equal(p, before[n])
-                                           for n, p in model.named_parameters())})
+            calls.append(call_with_bad_argument(
+                lambda: tune_this_job(model, micro_batches(s, data_seed_of(s, rank)), k, s["lr"]),
+                model))
     return {"calls": calls, "traffic": traffic}
 
 
 def judge_bad_steps(observations, world_size, values):
     def judge_rank(rank, observation):
-        calls = observed(observation, "calls", list)
-        if len(calls) != len(values):
-            raise CheckFailed("the rank's report has the wrong number of calls")
-        for call, k in zip(calls, values):
-            what = f"tune_this_job(..., accumulation_steps={k!r})"
-            if observed(call, "value_error", bool) is not True:
-                raised = observed(call, "raised", (str, type(None)))
-                got = (f"it raised {cut_text(raised, 80)}" if raised else
-                       f"it returned {cut_text(observed(call, 'returned', str), 80)}")
-                raise CheckFailed(f"{what}: expected ValueError (accumulation_steps must be an "
-                                  f"int >= 1), {got}")
-            if observed(call, "unchanged", bool) is not True:
-                raise CheckFailed(f"{what}: the model changed before the ValueError (was it "
-                                  "wrapped in DDP first?): check the argument first")
+        judge_raised_first(observed(observation, "calls", list), list(values),
+                           lambda k: f"tune_this_job(..., accumulation_steps={k!r})",
+                           "accumulation_steps must be an int >= 1",
+                           "was it wrapped in DDP first? check the argument first")
         sent = observed(observed(observation, "traffic", dict), "collective_calls", list)
         if sent:
             raise CheckFailed(f"tune_this_job with accumulation_steps {list(values)}: "
