@@ -163,8 +163,12 @@ def test_every_written_out_value_is_the_references():
             assert written["count"] == reference["count"]
             assert written["correct"] == reference["correct"]
             assert torch.equal(written["correct_each"], reference["correct_each"])
-            assert torch.allclose(written["losses"], reference["losses"], rtol=1e-9, atol=0)
-            assert written["loss"] == pytest.approx(reference["loss"], rel=1e-9)
+            # float32's rounding differs with the CPU's kernels (up to ~1e-6 relative, measured
+            # on an AMD EPYC against values written on another machine): within half the
+            # judge's tolerance, which leaves the other half to the student's own rounding
+            rtol, atol = checks.LOSS_RTOL / 2, checks.LOSS_ATOL / 2
+            assert torch.allclose(written["losses"], reference["losses"], rtol=rtol, atol=atol)
+            assert written["loss"] == pytest.approx(reference["loss"], rel=rtol, abs=atol)
     assert not hasattr(checks, "reference")
     with pytest.raises(LookupError, match="grader bug: no written-out values"):
         checks.written_out_values(checks.situation(9, 2, seed=99))
