@@ -124,9 +124,13 @@ def test_the_written_out_truths_are_the_graders():
 
 
 def _close(a, b) -> bool:
-    """Equal, floats to 1e-12 relative (a written-out repr and a fresh computation)."""
+    """Equal, floats within half the judges' tolerance (``checks.RTOL``, ``checks.ATOL``): a
+    value written out on one machine and one computed here agree only to float32's rounding,
+    which differs with the CPU's kernels (up to ~1e-6 relative, measured on an AMD EPYC against
+    values written on another machine), and half leaves the other half to the student's own
+    rounding."""
     if isinstance(a, float) or isinstance(b, float):
-        return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+        return math.isclose(a, b, rel_tol=checks.RTOL / 2, abs_tol=checks.ATOL / 2)
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):

@@ -6,8 +6,11 @@ from __future__ import annotations
 import math
 
 # A written-out digest is the reference's on the machine that wrote it; another machine's float32
-# training may round a few ulps differently.
-DIGEST_RTOL, DIGEST_ATOL = 1e-6, 1e-7
+# kernels round differently (up to ~2e-6 relative on a digest, measured on an AMD EPYC against
+# digests written on another machine). Half the tightest judge's tolerance on a digest (atol 1e-6,
+# rtol 1e-5 per element) leaves the other half to the student's own rounding, so a visible
+# verdict is the reference's on any machine.
+DIGEST_RTOL, DIGEST_ATOL = 5e-6, 5e-7
 
 
 def assert_digests_close(written: dict, reference: dict) -> None:
@@ -15,6 +18,10 @@ def assert_digests_close(written: dict, reference: dict) -> None:
     assert set(written) == set(reference), (sorted(written), sorted(reference))
     for name, numbers in written.items():
         assert len(numbers) == len(reference[name]), name
+        # a digest's numbers are sums over the tensor: their rounding follows the size of what
+        # was summed, not of the result (a sum can cancel), so the absolute floor scales with
+        # the digest's largest number
+        scale = max([1.0, *(abs(x) for x in reference[name])])
         for got, want in zip(numbers, reference[name]):
-            assert math.isclose(got, want, rel_tol=DIGEST_RTOL, abs_tol=DIGEST_ATOL), \
+            assert math.isclose(got, want, rel_tol=DIGEST_RTOL, abs_tol=DIGEST_ATOL * scale), \
                 (name, numbers, reference[name])
