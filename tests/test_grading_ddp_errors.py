@@ -9,7 +9,6 @@ The exercise: solutions/09_debugging/ddp_errors.nb.py."""
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
