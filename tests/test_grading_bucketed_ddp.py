@@ -215,17 +215,6 @@ def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
 
 
-def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
-    broadcast_parameters, BucketedDDP = (submitted(fn, host) for fn in build())
-    checks.check_broadcast_parameters_two_ranks(broadcast_parameters)
-    checks.check_broadcast_parameters_buffers_and_frozen(broadcast_parameters)
-    hidden.check_broadcast_parameters(broadcast_parameters)
-    checks.check_bucketed_ddp_matches_one_process(BucketedDDP)
-    checks.check_bucketed_ddp_one_allreduce_per_bucket(BucketedDDP)
-    checks.check_bucketed_ddp_overlaps_backward(BucketedDDP)
-    hidden.check_bucketed_ddp(BucketedDDP)
-
-
 @pytest.mark.parametrize("mistake, replacements, check, message", [
     ("only rank 1 broadcasts", [("dist.broadcast(tensor, src=0)",
                                  "dist.broadcast(tensor, src=min(1, dist.get_world_size() - 1))")],

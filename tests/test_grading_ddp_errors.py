@@ -534,13 +534,6 @@ def relayed():
         yield ranks
 
 
-def test_the_solution_passes_the_hidden_checks_through_the_trusted_grader(host, relayed):
-    """The visible checks run on the solution in tests/test_exercises.py (the notebook
-    executed); the hidden ones use every case, here judged outside the ranks."""
-    hidden.check_ddp_errors(*(submitted(fn, host, relayed) for fn in (
-        SOLUTION_AUX, SOLUTION_SAVE, SOLUTION_RESUME, SOLUTION_TOWER)))
-
-
 def test_the_diagnoses_are_graded_through_the_trusted_grader(host, relayed):
     for lab, diagnose in SOLUTION_DIAGNOSES.items():
         getattr(hidden, f"check_{lab}_diagnosis")(submitted(diagnose, host, relayed))

@@ -17,7 +17,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from autograder.hidden import ddp_same_as_one_process as hidden
 from ddpcourse.grading.written_out import digests
 from written_out_values import assert_digests_close
-from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import ddp_same_as_one_process as checks
 from ddpcourse.launcher import run_ranks
@@ -167,23 +166,6 @@ def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
 
 
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
-
-SOURCE = SOLUTIONS / "01_why_ddp" / "ddp_same_as_one_process.ipynb"
-
-
-def the_solution():
-    """``train_with_ddp`` as the source notebook's solution cell defines it."""
-    namespace = {"torch": torch, "dist": dist, "nn": nn, "DDP": DDP}
-    exec(compile(solution_code(SOURCE, "train-with-ddp"), "<student notebook>", "exec"),
-         namespace)
-    return namespace["train_with_ddp"]
-
-
-def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
-    fn = submitted(the_solution(), host)
-    checks.check_train_with_ddp_matches_one_process(fn)
-    checks.check_train_with_ddp_shares_the_batch(fn)
-    hidden.check_train_with_ddp(fn)
 
 
 @pytest.mark.parametrize("wrong, check, message", [

@@ -282,14 +282,6 @@ def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
 
 
-def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
-    fn = submitted(from_the_notebook("train", "train"), host)
-    REPLICAS(fn)
-    ONE_PROCESS(fn)
-    LOSSES(fn)
-    hidden.check_train(fn)
-
-
 @pytest.mark.parametrize("wrong, check, message", [
     (from_the_notebook("buggy-train", "buggy_train"), REPLICAS, HEAD_OUTSIDE),
     (only_the_head_fixed, ONE_PROCESS, "summed over each rank's 4 rows"),

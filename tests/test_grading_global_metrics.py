@@ -290,13 +290,6 @@ def rank_means_and_rebinds_the_judge(model, dataset, batch_size):
     return make(combine="rank_means")(model, dataset, batch_size)
 
 
-def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
-    right = submitted(the_solution(), host)
-    for check in VISIBLE.values():
-        check(right)
-    hidden.check_evaluate(right)
-
-
 def restores_every_module(model, dataset, batch_size):
     """A right evaluate in another idiomatic style: it saves and restores the mode of every
     submodule (``net.modules()``), as a model with a frozen BatchNorm needs."""

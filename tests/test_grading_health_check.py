@@ -5,7 +5,6 @@ ranks' observations come back. The exercise: solutions/00_setup/health_check.nb.
 
 from __future__ import annotations
 
-import math
 import sys
 
 import cloudpickle
@@ -14,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from autograder.hidden import health_check as hidden
-from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed, run_student
 from ddpcourse.grading.exercises import health_check as checks
 from rank_lines import names_ranks_first, ranks_named
@@ -264,27 +262,6 @@ def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
 
 
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
-
-SOURCE = SOLUTIONS / "00_setup" / "health_check.ipynb"
-
-
-def the_solution():
-    """``bus_bandwidth`` and ``all_reduce_self_test`` as the source notebook's solution cells
-    define them."""
-    namespace = {"math": math, "torch": torch, "dist": dist}
-    for cell in ("bus-bandwidth", "all-reduce-self-test"):
-        exec(compile(solution_code(SOURCE, cell), "<student notebook>", "exec"), namespace)
-    return namespace["bus_bandwidth"], namespace["all_reduce_self_test"]
-
-
-def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
-    bus_bandwidth, all_reduce_self_test = (submitted(fn, host) for fn in the_solution())
-    checks.check_bus_bandwidth_all_reduce(bus_bandwidth)
-    checks.check_bus_bandwidth_other_collectives(bus_bandwidth)
-    hidden.check_bus_bandwidth(bus_bandwidth)
-    checks.check_self_test_passes_on_a_healthy_group(all_reduce_self_test)
-    checks.check_self_test_catches_a_broken_all_reduce(all_reduce_self_test)
-    hidden.check_all_reduce_self_test(all_reduce_self_test)
 
 
 @pytest.mark.parametrize("wrong, check, message", [

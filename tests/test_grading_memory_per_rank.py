@@ -12,10 +12,8 @@ import sys
 import cloudpickle
 import pytest
 import torch
-from torch import nn
 
 from autograder.hidden import memory_per_rank as hidden
-from autograder.sources import SOLUTIONS, solution_code
 from ddpcourse.grading.checks import CheckFailed
 from ddpcourse.grading.exercises import memory_per_rank as checks
 from rank_lines import names_ranks_first, ranks_named
@@ -119,23 +117,6 @@ def test_what_the_class_changes_inside_the_ranks_cannot_change_the_verdict():
 
 
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
-
-SOURCE = SOLUTIONS / "02_dp_ddp_fsdp" / "memory_per_rank.ipynb"
-
-
-def the_solution():
-    """``bytes_per_rank`` as the source notebook's solution cell defines it."""
-    namespace = {"math": math, "torch": torch, "nn": nn}
-    exec(compile(solution_code(SOURCE, "bytes-per-rank"), "<student notebook>", "exec"),
-         namespace)
-    return namespace["bytes_per_rank"]
-
-
-def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
-    fn = submitted(the_solution(), host)
-    checks.check_bytes_per_rank_even_model(fn)
-    checks.check_bytes_per_rank_rejects_bad_arguments(fn)
-    hidden.check_bytes_per_rank(fn)
 
 
 @pytest.mark.parametrize("wrong, check, message", [

@@ -160,13 +160,6 @@ def test_an_answer_that_differs_between_ranks_is_named():
 # --- judged by the trusted grader: the ranks run in autograder's observation host --------------
 
 
-def test_the_solution_passes_the_visible_checks_judged_outside_the_ranks(host):
-    solution = submitted(build(), host)
-    checks.check_gpipe(solution)
-    checks.check_1f1b(solution)
-    checks.check_refuses_unknown_kind(solution)
-
-
 def test_the_trusted_grader_catches_a_wrong_order(host):
     with pytest.raises(CheckFailed, match=r"hold up to \[5, 5, 5\]"):
         checks.check_1f1b(submitted(build(AS_GPIPE), host))

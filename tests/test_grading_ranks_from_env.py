@@ -135,14 +135,6 @@ def test_the_visible_checks_catch(wrong, check, message):
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
 
 
-def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
-    right = submitted(the_solution(), host)
-    checks.check_ranks_from_env_reads_torchrun_and_slurm(right)
-    checks.check_ranks_from_env_never_defaults(right)
-    checks.check_ranks_from_env_in_real_processes(right)
-    hidden.check_ranks_from_env(right)
-
-
 @pytest.mark.parametrize("wrong, check, message", [
     (defaults_to_zero_and_rebinds_the_checks, checks.check_ranks_from_env_never_defaults,
      "empty environment: expected ValueError"),

@@ -83,13 +83,6 @@ def test_the_checks_catch(mistake, replacement, check, message):
     assert ranks_named(str(failed.value))
 
 
-def test_the_solution_passes_the_visible_checks_judged_outside_the_ranks(host):
-    column, row = build()
-    classes = together(submitted(column, host), submitted(row, host))
-    checks.check_column_parallel(classes)
-    checks.check_mlp(classes)
-
-
 def test_the_trusted_grader_catches_a_missing_backward_sum(host):
     column, row = build(NO_BACKWARD_SUM)
     with pytest.raises(CheckFailed, match="the input's gradient"):

@@ -166,14 +166,6 @@ def returns_a_tuple_and_rebinds_the_judge(env, script, port=29500):
 # --- judged by the trusted grader: the ranks run in autograder's observation host ------------
 
 
-def test_the_solution_passes_visible_and_hidden_checks_judged_outside_the_ranks(host):
-    right = submitted(the_solution(), host)
-    checks.check_torchrun_argv_parses(right)
-    checks.check_torchrun_argv_rejects_missing_variables(right)
-    checks.check_torchrun_argv_launches_two_nodes(right)
-    hidden.check_torchrun_argv(right)
-
-
 @pytest.mark.parametrize("wrong, check, message", [
     (unexpanded, checks.check_torchrun_argv_parses,
      re.escape("--master-addr: expected 'gpu07', torchrun reads 'gpu[07-08]'")),
