@@ -231,8 +231,10 @@ SCORES = {"alice": 42.0, "bob": 12.0, "carol": 0.0}
 
 def small_class(root: Path, students: list[str]) -> Path:
     """alice: every notebook solved; bob: pipeline_schedule solved (12 points) and
-    tensor_parallel_linear as released, the other two not handed in; carol: every notebook as
-    released (every function a stub). Returns SUBMISSIONS."""
+    tensor_parallel_linear as released; carol: build_2d_groups and sharded_optimizer as released
+    (every function a stub). Each of bob and carol leaves out the other two notebooks (graded end
+    to end, every release and every solution: tests/test_grading_every_assignment.py). Returns
+    SUBMISSIONS."""
     notebooks = {exercise.slug: exercise for exercise in exercises()
                  if exercise.assignment == ASSIGNMENT}
     handed_in = {
@@ -240,8 +242,8 @@ def small_class(root: Path, students: list[str]) -> Path:
         "bob": {"pipeline_schedule": solved_release(notebooks["pipeline_schedule"]),
                 "tensor_parallel_linear": nbformat.read(
                     notebooks["tensor_parallel_linear"].release, as_version=4)},
-        "carol": {slug: nbformat.read(exercise.release, as_version=4)
-                  for slug, exercise in notebooks.items()}}
+        "carol": {slug: nbformat.read(notebooks[slug].release, as_version=4)
+                  for slug in ("build_2d_groups", "sharded_optimizer")}}
     for student in students:
         folder = root / "submitted" / student / ASSIGNMENT
         folder.mkdir(parents=True)
@@ -308,8 +310,8 @@ def test_each_array_task_grades_its_shard_then_the_merge_runs(grading):
 
 
 def test_the_merged_output_gives_each_student_what_they_earned(grading):
-    """Cell by cell: alice every point, carol none, bob the 12 of pipeline_schedule with
-    tensor_parallel_linear graded at 0 and the two notebooks not handed in named."""
+    """Cell by cell: alice every point, bob the 12 of pipeline_schedule, carol none; each
+    notebook bob or carol did not hand in scores 0 and is named in their notes."""
     _, out, _, _ = grading["slurm"]
     rows = {row["student_id"]: row for row in read_csv(out / "grades.csv")[1]}
     assert {student: (float(row["score"]), row["status"], row["flags"])
@@ -323,8 +325,11 @@ def test_the_merged_output_gives_each_student_what_they_earned(grading):
     for student, expected in {"alice": full, "bob": bob, "carol": none}.items():
         for slug, cells in expected.items():
             assert {column: rows[student][column] for column in cells} == cells, (student, slug)
-    for slug in ("build_2d_groups", "sharded_optimizer"):
-        assert f"missing: {slug}" in rows["bob"]["notes"], rows["bob"]["notes"]
+    for student, missing in {"bob": ("build_2d_groups", "sharded_optimizer"),
+                             "carol": ("pipeline_schedule", "tensor_parallel_linear")}.items():
+        for slug in missing:
+            assert f"missing: {slug}" in rows[student]["notes"], rows[student]["notes"]
+    assert "missing" not in rows["alice"]["notes"]
     assert sorted(gradebook_submissions(out, ASSIGNMENT)) == ["alice", "bob", "carol"]
     summary = json.loads((out / "summary.json").read_text())
     assert [r["student"] for r in summary["results"]] == ["alice", "bob", "carol"]
