@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from grading_commands import run_at_once
 from test_autograder import (PART2_CELLS, assert_missing_notebooks_score_zero,
                              assert_small_feedback_without_hidden_checks, by_grade_id, full_marks,
                              processes_marked)
@@ -63,24 +63,11 @@ def runs(tmp_path_factory):
                *([] if name == "whole" else ["--shard", name])]
         for name, out in outs.items()}
     started = time.monotonic()
-    running = {name: subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
-               for name, command in commands.items()}
-    try:
-        logs = {name: process.communicate(timeout=800)[0] for name, process in running.items()}
-    finally:  # on a failure: Ctrl-C, so that each grading command kills its workers
-        for process in running.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-        for process in running.values():
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    said = run_at_once(commands, ROOT, env, timeout=800)
     elapsed = time.monotonic() - started
-    for name, process in running.items():
-        assert process.returncode == 0, f"{name}:\n{logs[name]}"
+    logs = {name: output for name, (_, output) in said.items()}
+    for name, (code, output) in said.items():
+        assert code == 0, f"{name}:\n{output}"
     time.sleep(1.0)
     assert not processes_marked(mark), "grading left processes running"
     merged = root / "merged"

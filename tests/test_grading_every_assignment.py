@@ -32,7 +32,6 @@ import csv
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -41,8 +40,9 @@ from pathlib import Path
 import nbformat
 import pytest
 import test_grading_gaming as gaming
-from fake_class import solved_release
 import test_grading_gaming_09 as gaming_09
+from fake_class import solved_release
+from grading_commands import run_at_once
 
 from autograder import gradesheet, sandbox, worker
 from autograder.__main__ import GRADER_FAILED
@@ -114,9 +114,10 @@ class Graded:
     rows: dict[str, dict[str, str]]
     summary: dict
 
-    def failure(self) -> str:
-        return "\n".join(f"--- {name} (exit code {code}):\n{text[-4000:]}"
-                         for name, (code, text) in self.said.items())
+    def assert_every_command_succeeded(self) -> None:
+        assert all(code == 0 for code, _ in self.said.values()), "\n".join(
+            f"--- {name} (exit code {code}):\n{text[-4000:]}"
+            for name, (code, text) in self.said.items())
 
 
 def grade_command(submitted: Path, assignment: str, out: Path, *options: str) -> list[str]:
@@ -125,43 +126,22 @@ def grade_command(submitted: Path, assignment: str, out: Path, *options: str) ->
             "--sandbox", SANDBOX, *options]
 
 
-def run(commands: dict[str, list[str]], env: dict) -> dict[str, tuple[int, str]]:
-    """Run the commands at once; each one's exit code and output. On a deadline, Ctrl-C, so a
-    grading command kills its workers."""
-    running = {name: subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
-               for name, command in commands.items()}
-    said = {}
-    try:
-        for name, process in running.items():
-            said[name] = (None, process.communicate(timeout=1200)[0])
-    finally:
-        for process in running.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-        for process in running.values():
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-    return {name: (running[name].returncode, text) for name, (_, text) in said.items()}
-
-
 def grade_assignment(root: Path, assignment: str) -> Graded:
     submitted = write_class(root, assignment, with_gamers=SANDBOX == "require")
     env = dict(os.environ, DDPCOURSE_CHECK_TIMEOUT_S="60")  # no student here hangs
     out = root / "out"
     if assignment != THROUGH_SHARDS:
-        said = run({"grade": grade_command(submitted, assignment, out, "--jobs", "2")}, env)
+        said = run_at_once({"grade": grade_command(submitted, assignment, out, "--jobs", "2")},
+                           ROOT, env, timeout=1200)
     else:
         shards = {f"{i}/2": root / f"shard-{i}-of-2" for i in (1, 2)}
-        said = run({f"grade --shard {shard}": grade_command(submitted, assignment, folder,
-                                                             "--jobs", "1", "--shard", shard)
-                    for shard, folder in shards.items()}, env)
+        said = run_at_once({f"grade --shard {shard}": grade_command(
+            submitted, assignment, folder, "--jobs", "1", "--shard", shard)
+            for shard, folder in shards.items()}, ROOT, env, timeout=1200)
         if all(code == 0 for code, _ in said.values()):
-            said.update(run({"merge": [sys.executable, "-m", "autograder", "merge",
-                                       *map(str, shards.values()), "--out", str(out)]}, env))
+            said.update(run_at_once({"merge": [sys.executable, "-m", "autograder", "merge",
+                                               *map(str, shards.values()), "--out", str(out)]},
+                                    ROOT, env, timeout=1200))
     rows, summary = {}, {}
     if (out / "grades.csv").exists():
         with open(out / "grades.csv", newline="") as f:
@@ -207,7 +187,7 @@ def test_the_worker_prepares_every_notebook_of_the_assignment(assignment):
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_the_solutions_get_full_marks_on_every_cell(graded, assignment):
     result = graded[assignment]
-    assert all(code == 0 for code, _ in result.said.values()), result.failure()
+    result.assert_every_command_succeeded()
     row = result.rows["reference"]
     assert (row["status"], row["flags"]) == ("graded", ""), row["notes"]
     for notebook in gradesheet.layout(assignment):
@@ -221,7 +201,7 @@ def test_the_solutions_get_full_marks_on_every_cell(graded, assignment):
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_the_released_stubs_are_graded_and_earn_nothing(graded, assignment):
     result = graded[assignment]
-    assert all(code == 0 for code, _ in result.said.values()), result.failure()
+    result.assert_every_command_succeeded()
     row = result.rows["stub"]
     assert (row["status"], row["flags"]) == ("graded", ""), row["notes"]
     assert "GRADER ERROR" not in row["notes"]
