@@ -266,7 +266,7 @@ def honest_training_report(world_size, bucket_cap_mb, steps, planner=checks.writ
         return [sum(step_grads[name].double().pow(2).sum().item() for name in bucket)
                 for bucket in buckets]
 
-    return {"is_module": True, "construction_collectives": ["broadcast_"],
+    return {"is_module": True, "construction_collectives": ["broadcast"],
             "broadcast_parameters_called": True,
             "state": state, "weights": weights,
             "steps": [{"returned": "None", "allreduce_bytes": list(plan.bucket_bytes),

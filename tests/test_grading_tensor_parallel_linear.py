@@ -181,7 +181,9 @@ def honest_report(rank: int) -> dict:
                                   "parameters": ["bias", "weight"]}},
             "grads": {"column": grads},
             "output": expected["output"].tensor_split(2, dim=1)[rank],
-            "input_grad": expected["input_grad"], "dense_unchanged": True}
+            "input_grad": expected["input_grad"],
+            "dense": {name: p.detach().clone() for name, p in
+                      checks.dense_state(*checks.dense_layers(sizes, True, seed)).items()}}
 
 
 COLUMN_CASE = ("column", (4, 6, 2), True, 0, 2)
@@ -190,7 +192,8 @@ DAMAGE = [((), None), ((), []), (("layers",), "x"), (("layers", "column", "is_mo
           (("grads", "column", "bias", "grad"), "x" * 1_000_000),
           (("grads", "column", "weight", "shape"), [6, 4]), (("output",), torch.zeros(3, 3)),
           (("output",), torch.zeros(3, 3, dtype=torch.complex64)),
-          (("input_grad",), None), (("dense_unchanged",), "yes")]
+          (("input_grad",), None), (("dense",), "yes"),
+          (("dense", "first.weight"), torch.zeros(6, 4, dtype=torch.float64))]
 
 
 def test_honest_reports_pass_the_judge():

@@ -81,26 +81,16 @@ class Case:
                              "until received)")
 
 
-# The all-reduce operators of the dispatcher (c10d, functional), under the broker's one name.
-_ALL_REDUCE_OPS = {"allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_",
-                   "all_reduce_coalesced", "all_reduce_coalesced_"}
-
-
-def collective_name(op: str) -> str:
-    """A dispatcher operator's name as the grader's broker names the same collective, for the
-    collectives a judge tells apart (all-reduces); others keep their operator's name."""
-    return "all_reduce" if op in _ALL_REDUCE_OPS else op
-
-
 @contextlib.contextmanager
 def audited_traffic():
     """``with audited_traffic() as seen: ...``: afterwards ``seen`` holds a case's ``"traffic"``
     entry: the collectives the block called (names, sorted, no repeats), the bytes it sent
     point to point, and ``collective_calls``, every collective in call order as ``[name,
-    bytes]`` (all-reduces named ``"all_reduce"``), from an in-rank
-    :class:`~ddpcourse.grading.comm_audit.CommAudit`, which also sees the all-reduces DDP's C++
-    reducer launches. On the relay backend nothing is audited here: the grader's broker does it,
-    for the whole case (construction too), and replaces the entry."""
+    bytes]``, from an in-rank :class:`~ddpcourse.grading.comm_audit.CommAudit`, which also sees
+    the all-reduces DDP's C++ reducer launches. Names are the public ones the grader's broker
+    also uses (:mod:`ddpcourse.grading.collective_names`: ``"all_reduce"``, ``"all_gather"``).
+    On the relay backend nothing is audited here: the grader's broker does it, for the whole case
+    (construction too), and replaces the entry."""
     seen: dict = {}
     if dist.is_initialized() and dist.get_backend() == "relay":
         yield seen
@@ -111,8 +101,7 @@ def audited_traffic():
         yield seen
     seen.update(collectives=sorted(set(audit.record.collectives)),
                 bytes_sent=audit.record.bytes_sent,
-                collective_calls=[[collective_name(op), nbytes]
-                                  for op, nbytes in audit.record.collective_calls])
+                collective_calls=[[name, nbytes] for name, nbytes in audit.record.collective_calls])
 
 
 class RemoteFunction:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch import nn
 
 from ddpcourse.grading.checks import CheckFailed, cut_text, observed, safe_text
+from ddpcourse.grading.left_unchanged import copy_of, identical
 
 _MAX_TEXT = 200
 
@@ -23,7 +23,7 @@ def call_with_bad_argument(call: Callable[[], object], model: nn.Module) -> dict
     """Run ``call()`` (the student's function with a bad argument) in the rank: whether it
     raised ValueError, what it raised or returned instead, and whether ``model``'s parameters are
     as they were before it."""
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    before = copy_of(dict(model.named_parameters()))
     try:
         returned, raised = call(), None
     except Exception as exc:  # noqa: BLE001 - reported, judged outside
@@ -31,8 +31,7 @@ def call_with_bad_argument(call: Callable[[], object], model: nn.Module) -> dict
     return {"value_error": isinstance(raised, ValueError),
             "raised": None if raised is None else type(raised).__name__,
             "returned_text": safe_text(lambda: repr(returned), _MAX_TEXT),
-            "unchanged": all(torch.equal(p, before[name])
-                             for name, p in model.named_parameters())}
+            "unchanged": identical(copy_of(dict(model.named_parameters())), before)}
 
 
 def judge_raised_first(calls: object, values: list, what: Callable[[object], str],

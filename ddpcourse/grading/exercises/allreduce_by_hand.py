@@ -6,15 +6,15 @@ exercises/05_allreduce/allreduce_by_hand.ipynb).
 
 Each case is a :class:`~ddpcourse.grading.checks.Case`: the ranks report what they hold after the
 student's call, and the salt their input was drawn with. A rank's input depends on a salt each rank
-draws afresh (:func:`fresh_salt`), so no rank can compute another rank's input without
-communicating; the judge rebuilds every rank's input from the reported salts and expects their
-mean (gradients) or sum (tensors). This module holds no answer: the expected value of a case is
-the sum of what the ranks held before the call, an invariant of the observations.
+draws afresh (:mod:`ddpcourse.grading.salted_inputs`), so no rank can compute another rank's input
+without communicating; the judge rebuilds every rank's input from the reported salts and expects
+their mean (gradients) or sum (tensors). This module holds no answer: the expected value of a case
+is the sum of what the ranks held before the call, an invariant of the observations. The shared
+judges say the rest: the parameters are left as they were (:mod:`ddpcourse.grading.left_unchanged`),
+the ring calls no collective (:mod:`ddpcourse.grading.point_to_point`).
 """
 
 from __future__ import annotations
-
-import secrets
 
 import torch
 from torch import nn
@@ -22,10 +22,12 @@ from torch import nn
 from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, expect_close,
                                       judge_each_rank, observed, ring_traffic_bounds, run_student,
                                       type_name)
+from ddpcourse.grading.left_unchanged import copy_of, judge_left_unchanged
+from ddpcourse.grading.point_to_point import judge_point_to_point_only
+from ddpcourse.grading.salted_inputs import (DTYPES, TOLERANCES, fresh_salt, rank_generator,
+                                             reported_salts, salted_tensor, tolerance)
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
-TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12)}
 
 
 # --- average_gradients ------------------------------------------------------------------------
@@ -51,31 +53,6 @@ class GradModel(nn.Module):
         return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
 
 
-def fresh_salt() -> int:
-    """A salt a rank draws for its own input: unknown to every other rank."""
-    return secrets.randbits(31)
-
-
-def reported_salts(observations) -> list[int]:
-    """Every rank's salt, read as untrusted data (one CheckFailed naming every rank whose report
-    has none)."""
-    salts: list[int] = []
-
-    def read(rank, observation):
-        salt = observed(observation, "salt", int)
-        if not 0 <= salt < 2**31:
-            raise CheckFailed(f"the rank's report has a salt out of range: {salt}")
-        salts.append(salt)
-
-    judge_each_rank(observations, read)
-    return salts
-
-
-def rank_generator(seed: int, rank: int, salt: int) -> torch.Generator:
-    """The generator of rank ``rank``'s input (seeded by the case, the rank and its salt)."""
-    return torch.Generator().manual_seed((seed * 1009 + rank) * 2**31 + salt)
-
-
 def model_after_backward(rank, dtype_name="float32", awkward=False, tied=False,
                          seed=0, salt=0) -> nn.Module:
     """Rank ``rank``'s model right after its backward: the same weights on every rank, gradients
@@ -96,7 +73,7 @@ def observe_average_gradients(rank, world_size, average_gradients, dtype_name="f
     return {"salt": salt, "returned": type_name(result),
             "grads": {name: None if p.grad is None else p.grad.detach().clone()
                       for name, p in model.named_parameters()},
-            "weights": {name: p.detach().clone() for name, p in model.named_parameters()}}
+            "weights": copy_of(dict(model.named_parameters()))}
 
 
 def judge_average_gradients(observations, world_size, dtype_name="float32", awkward=False,
@@ -116,7 +93,7 @@ def judge_average_gradients(observations, world_size, dtype_name="float32", awkw
         if returned != "None":
             raise CheckFailed(f"average_gradients should return None (it works in place), it "
                               f"returned {returned}")
-        if set(grads) != set(models[0]) or set(weights) != set(models[0]):
+        if set(grads) != set(models[0]):
             raise CheckFailed(f"the model's parameters changed: {sorted(map(str, grads))}, "
                               f"expected {sorted(models[0])}")
         for name, p in models[rank].items():
@@ -130,8 +107,9 @@ def judge_average_gradients(observations, world_size, dtype_name="float32", awkw
                 expect_close(grads[name], expected[name],
                              f"{name}.grad (mean over {world_size} ranks)", rtol, atol,
                              world_size)
-            expect_close(weights[name], p.detach(), f"parameter {name!r} itself (must not change)",
-                         0.0, 0.0)
+        judge_left_unchanged(weights, {name: p.detach() for name, p in models[rank].items()},
+                             "average_gradients", "the model's", "parameters",
+                             "it averages the gradients (.grad) only, never the parameters")
 
     judge_each_rank(observations, judge_rank)
 
@@ -153,11 +131,7 @@ def check_average_gradients_skips_missing(average_gradients) -> None:
 # --- ring_allreduce ---------------------------------------------------------------------------
 
 
-def make_rank_tensor(rank, shape, dtype, seed, salt=0):
-    generator = rank_generator(seed, rank, salt)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator, dtype=dtype)
-    return torch.randint(-1000, 1000, shape, generator=generator, dtype=dtype)
+make_rank_tensor = salted_tensor  # rank ``rank``'s input to the ring, drawn with its salt
 
 
 def observe_ring_allreduce(rank, world_size, ring_allreduce, shape=(8,), dtype_name="float32",
@@ -181,17 +155,13 @@ def judge_ring_allreduce(observations, world_size, shape=(8,), dtype_name="float
     inputs = [make_rank_tensor(r, shape, dtype, seed, salt) for r, salt in enumerate(salts)]
     expected = sum(inputs[1:], inputs[0].clone())
     what = f"tensor of shape {tuple(shape)}, {dtype_name}, world size {world_size}"
-    rtol, atol = TOLERANCES.get(dtype, (0.0, 0.0))
+    rtol, atol = tolerance(dtype)
     itemsize = expected.element_size()
     lower, upper = ring_traffic_bounds(expected.numel(), world_size, itemsize)
 
     def judge_rank(rank, observation):
         traffic = observed(observation, "traffic", dict)
-        collectives = observed(traffic, "collectives", list)
-        if collectives:
-            raise CheckFailed(f"{what}: ring_allreduce must use point-to-point calls only "
-                              "(send/recv/isend/irecv), but it called "
-                              f"{sorted(map(str, collectives))}")
+        judge_point_to_point_only(traffic, what, "ring_allreduce")
         returned = observed(observation, "returned", str)
         if returned not in ("None", "the tensor itself"):
             raise CheckFailed(f"{what}: ring_allreduce must work in place and return None; it "

@@ -35,9 +35,9 @@ from torch import nn
 from ddpcourse.grading.checks import (Case, CheckFailed, expect_close, judge_each_rank, observed,
                                       run_student, type_name)
 from ddpcourse.grading.comm_audit import CommAudit
+from ddpcourse.grading.salted_inputs import DTYPES  # a case names its dtype
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # After a few SGD steps the bucketed average and the one-process gradient differ only by the order
 # in which float32 sums are taken (a few ulps per step); DDP itself ends within 5e-8 of one
 # process after 20 steps (chapter 01). A wrong average (a sum, a missed bucket, rank 0's gradient
@@ -321,15 +321,15 @@ def observe_bucketed_training(rank, world_size, BucketedDDP, bucket_cap_mb, vari
         with CommAudit(squares=True) as audit:
             launched_at_input = []
             x.register_hook(lambda grad: launched_at_input.append(
-                len(audit.record.calls_of("allreduce_"))))
+                len(audit.record.calls_of("all_reduce"))))
             nn.functional.mse_loss(wrapped(x), y_all[share]).backward()
-            launched_in_backward = len(audit.record.calls_of("allreduce_"))
+            launched_in_backward = len(audit.record.calls_of("all_reduce"))
             result = wrapped.finish_gradient_synchronization()
         observation["steps"].append({
             "returned": type_name(result),
-            "allreduce_bytes": audit.record.calls_of("allreduce_"),
+            "allreduce_bytes": audit.record.calls_of("all_reduce"),
             "allreduce_squares": list(audit.record.all_reduce_squares),
-            "other_collectives": sorted(set(audit.record.collectives) - {"allreduce_"}),
+            "other_collectives": sorted(set(audit.record.collectives) - {"all_reduce"}),
             "launched_at_input": launched_at_input[:1],
             "launched_in_backward": launched_in_backward,
             "grads": {name: None if p.grad is None else p.grad.detach().clone()

@@ -56,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, cut_text,
                                       judge_each_rank, observed, run_student, safe_text)
+from ddpcourse.grading.collective_names import all_reduce_bytes, reported_collective_calls
 from ddpcourse.grading.exercises.resumable_checkpoint import (_same_tensors, _start_audit,
                                                               _stop_audit, read_checkpoint,
                                                               shared_directory)
@@ -238,14 +239,7 @@ def observe_unused(rank, world_size, train_with_aux, s):
 
 def all_reduced_bytes(observation: Any, what: str) -> int:
     traffic = observed(observation, "traffic", dict)
-    total = 0
-    for entry in observed(traffic, "collective_calls", list):
-        if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
-                or type(entry[1]) is not int):
-            raise CheckFailed(f"{what}: the rank's communication record is malformed")
-        if entry[0] == "all_reduce":
-            total += entry[1]
-    return total
+    return sum(all_reduce_bytes(reported_collective_calls(traffic, what)))
 
 
 def judge_traffic(total: int, s: dict) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from ddpcourse.grading.checks import Case, CheckFailed, judge_each_rank, observed, run_student
 from ddpcourse.grading.forbidden import call_watching
+from ddpcourse.grading.left_unchanged import identical
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
@@ -171,14 +172,6 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def _changed(given: Any, kept: Any) -> bool:
-    """Whether the arguments ``fn`` was given differ, after the call, from the copy kept."""
-    try:
-        return bool(given != kept)
-    except Exception:  # noqa: BLE001 - something the function put there refuses comparison
-        return True
-
-
 def describe_call(fn: Callable, args: tuple = (), kwargs: dict | None = None) -> dict:
     """What ``fn(*args, **kwargs)`` did, as data (NotImplementedError, a stub's, propagates),
     and whether it modified the arguments it was given (its own copy of ``args`` and ``kwargs``,
@@ -192,7 +185,7 @@ def describe_call(fn: Callable, args: tuple = (), kwargs: dict | None = None) ->
     except Exception as exc:  # noqa: BLE001 - described as data, judged outside the rank
         return {"raised": type(exc).__name__, "value_error": isinstance(exc, ValueError),
                 "message": _text(exc, 500), "type": "", "repr": "", "values": None,
-                "tuple": False, "modified": _changed(given, (args, kwargs))}
+                "tuple": False, "modified": not identical(given, (args, kwargs))}
     values = None
     if isinstance(got, (tuple, list)) and len(got) <= 8:
         values = [_number(v) for v in got]
@@ -200,7 +193,7 @@ def describe_call(fn: Callable, args: tuple = (), kwargs: dict | None = None) ->
         values = [_number(got)]
     return {"raised": None, "value_error": False, "message": "", "type": type(got).__name__,
             "repr": _text(repr(got), 300), "values": values, "tuple": isinstance(got, tuple),
-            "modified": _changed(given, (args, kwargs))}
+            "modified": not identical(given, (args, kwargs))}
 
 
 # The chapter's benchmark fits the lesson's curve with a function the contract asks the student

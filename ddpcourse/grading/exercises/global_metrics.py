@@ -61,6 +61,7 @@ from torch.utils.data import Dataset
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, cut_text,
                                       judge_each_rank, observed, reported_calls, run_student,
                                       safe_text, type_name)
+from ddpcourse.grading.left_unchanged import judge_left_unchanged
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 
@@ -482,19 +483,9 @@ def _judge_model_after(call, ref: dict, s: dict, what: str) -> None:
         raise CheckFailed(
             f"{what}: the model was handed in in eval mode and came back in training mode: "
             "restore the mode it had (model.train(was_training)), not always training mode")
-    state = observed(call, "state", dict)
-    if set(state) != set(ref["state"]):
-        raise CheckFailed(f"{what}: after the call, the model's parameters and buffers are "
-                          f"{_text(sorted(map(str, state)))}, expected {sorted(ref['state'])}")
-    for name, want in ref["state"].items():
-        got = state[name]
-        if (not isinstance(got, torch.Tensor) or got.layout != torch.strided
-                or got.shape != want.shape or got.dtype != want.dtype):
-            raise CheckFailed(f"{what}: after the call, {name!r} is not a {want.dtype} tensor of "
-                              f"shape {tuple(want.shape)} (the report has {type_name(got)})")
-        if not torch.equal(got, want):
-            raise CheckFailed(f"{what}: the call changed the model's {name!r}; evaluation must "
-                              "leave parameters and buffers exactly as they were")
+    judge_left_unchanged(observed(call, "state", dict), ref["state"], what, "the model's",
+                         "parameters and buffers", "evaluation must leave parameters and buffers "
+                         "exactly as they were")
     with_grad = observed(call, "with_grad", list)
     if with_grad:
         raise CheckFailed(f"{what}: after the call, parameters {_text(with_grad[:5])} have a "

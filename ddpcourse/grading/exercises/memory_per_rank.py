@@ -29,11 +29,11 @@ from torch import nn
 
 from ddpcourse.grading.checks import (Case, CheckFailed, judge_each_rank, observed, run_student,
                                       type_name)
+from ddpcourse.grading.salted_inputs import DTYPES  # a case names its dtype
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 KEYS = ("params", "grads", "adam_state")
 STRATEGIES = ("ddp", "fsdp")
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 # A model is (name, dtype, layers); a layer is ("linear", in, out, frozen), ("layernorm", n,
 # frozen) or ("tanh",), where frozen is False, True (every parameter of the layer) or "bias".

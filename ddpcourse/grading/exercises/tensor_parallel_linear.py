@@ -9,14 +9,15 @@ Each case is a :class:`~ddpcourse.grading.checks.Case`. In every rank the observ
 layers from a seed, wraps them in the student's classes over this rank's tensor-parallel group
 (the contiguous ranks ``[k * tp, (k + 1) * tp)``; each group gets its own input), runs one forward
 and one backward with a fixed output gradient, and reports what the module holds (its
-parameters' shapes and sizes, every tensor it keeps) and what came out: the output, the input's
-gradient, the parameters' gradients. The judge rebuilds the dense layers and the inputs from the
-same seeds and runs them in one process: the sharded layers must give the dense output and
-gradients, each rank's share of them, to float64 rounding. The mode "repeat" (a hidden case)
-calls each layer twice before one backward, with a residual: the contract is the layers'
-behaviour, however their collectives are written (an autograd.Function or a hook), and a layer
-that hooks the caller's tensor, or sums the input's gradient only once per module, gives wrong
-input gradients there. The answer (how to shard, which collective goes where) is nowhere here:
+parameters' shapes and sizes, every tensor it keeps), what came out (the output, the input's
+gradient, the parameters' gradients) and the dense layers as the student's classes left them
+(unchanged: :mod:`ddpcourse.grading.left_unchanged`). The judge rebuilds the dense layers and
+the inputs from the same seeds and runs them in one process: the sharded layers must give the
+dense output and gradients, each rank's share of them, to float64 rounding. The mode "repeat"
+(a hidden case) calls each layer twice before one backward, with a residual: the contract is the
+layers' behaviour, however their collectives are written (an autograd.Function or a hook), and a
+layer that hooks the caller's tensor, or sums the input's gradient only once per module, gives
+wrong input gradients there. The answer (how to shard, which collective goes where) is nowhere here:
 only the dense layer the result must equal.
 """
 
@@ -31,6 +32,7 @@ from torch import nn
 from ddpcourse.grading.checks import (Case, CheckFailed, by_rank, cut_text, expect_close,
                                       observed, run_student, type_name)
 from ddpcourse.grading.exercises.sharded_optimizer import reachable_tensors
+from ddpcourse.grading.left_unchanged import copy_of, judge_left_unchanged
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
 BATCH = 3
@@ -48,6 +50,12 @@ def dense_layers(sizes: tuple[int, int, int], bias: bool, seed: int) -> tuple[nn
         first = nn.Linear(sizes[0], sizes[1], bias=bias).double()
         second = nn.Linear(sizes[1], sizes[2], bias=bias).double()
     return first, second
+
+
+def dense_state(first: nn.Linear, second: nn.Linear) -> dict[str, torch.Tensor]:
+    """The dense layers' parameters by name (``first.weight``, ...), as they are now."""
+    return {f"{which}.{name}": p for which, layer in (("first", first), ("second", second))
+            for name, p in layer.named_parameters()}
 
 
 def group_data(sizes: tuple[int, int, int], seed: int, group_index: int):
@@ -142,9 +150,7 @@ def observe_layers(rank, world_size, classes, mode, sizes, bias, seed, tp_size):
         report["grads"] = {"column": grads_of(column), "row": grads_of(row)}
     report["output"] = out.detach().clone()
     report["input_grad"] = None if inp.grad is None else inp.grad.detach().clone()
-    fresh = [p for layer in dense_layers(sizes, bias, seed) for p in layer.parameters()]
-    given = [p for layer in (first, second) for p in layer.parameters()]
-    report["dense_unchanged"] = all(torch.equal(a.detach(), b) for a, b in zip(given, fresh))
+    report["dense"] = copy_of(dense_state(first, second))  # as the layers left them
     return report
 
 
@@ -243,8 +249,12 @@ def judge_layers(observations, world_size, mode, sizes, bias, seed, tp_size):
             expect_close(got_in, want_in, "the input's gradient"
                          + (" (this rank's columns)" if mode == "row" else " (the whole input)"),
                          rtol, atol, tp_size)
-            if report.get("dense_unchanged") is not True:
-                raise CheckFailed("the dense nn.Linear passed in was changed; copy its shard")
+            judge_left_unchanged(observed(report, "dense", dict),
+                                 dense_state(*dense_layers(sizes, bias, seed)),
+                                 "the layer's construction, forward and backward",
+                                 "the dense nn.Linear's", "parameters",
+                                 "the layer copies its shard of the dense layer passed in, and "
+                                 "never changes that layer")
         except CheckFailed as failed:
             wrong.append((rank, str(failed)))
     if wrong:

@@ -47,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, cut_text, expect_close,
                                       judge_each_rank, observed, run_student, safe_text, type_name)
+from ddpcourse.grading.collective_names import all_reduce_bytes, reported_collective_calls
 from ddpcourse.grading.raises_first import call_with_bad_argument, judge_raised_first
 from ddpcourse.grading.written_out import expect_digest
 
@@ -253,15 +254,7 @@ def _gradient_syncs(call: dict, per_sync: int, what: str) -> int:
     """Synchronised backwards: the bytes all-reduced, in units of one full gradient exchange.
     Losses all-reduced for logging are far smaller than one unit, so they do not count."""
     traffic = observed(call, "traffic", dict)
-    calls = observed(traffic, "collective_calls", list)
-    total = 0
-    for entry in calls:
-        if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
-                or type(entry[1]) is not int):
-            raise CheckFailed(f"{what}: the rank's communication record is malformed")
-        if entry[0] == "all_reduce":
-            total += entry[1]
-    return total // per_sync
+    return sum(all_reduce_bytes(reported_collective_calls(traffic, what))) // per_sync
 
 
 def _judge_call(call: Any, s: dict, reference: dict, ref_losses: list[float], per_sync: int,

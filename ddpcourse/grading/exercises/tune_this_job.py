@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, collective_name,
-                                      cut_text, judge_each_rank, observed, run_student,
-                                      safe_text, type_name)
+from ddpcourse.grading.checks import (Case, CheckFailed, audited_traffic, cut_text,
+                                      judge_each_rank, observed, run_student, safe_text, type_name)
+from ddpcourse.grading.collective_names import read_collective_calls
 from ddpcourse.grading.comm_audit import CommAudit
 from ddpcourse.grading.raises_first import call_with_bad_argument, judge_raised_first
 
@@ -136,9 +136,10 @@ def parameter_bytes(s: dict) -> int:
 # (the parameters: the models have no buffers, which DDP would also broadcast before every
 # synchronised forward, ``DistributedDataParallel._pre_forward``, outside this budget);
 # before the second step's forward a broadcast of the rebuilt buckets' order from rank 0
-# (``Reducer::sync_bucket_indices``). Under the names the in-rank audit and the grader's broker
-# give them, with a little room for other torch versions.
-CONSTRUCTION_COLLECTIVES = {"broadcast", "broadcast_", "all_gather", "allgather_"}
+# (``Reducer::sync_bucket_indices``). Under their public names (the in-rank audit and the
+# grader's broker give the same: ddpcourse/grading/collective_names.py), with a little room for
+# other torch versions.
+CONSTRUCTION_COLLECTIVES = {"broadcast", "all_gather"}
 CONSTRUCTION_CALLS = 6
 CONSTRUCTION_EXTRA_BYTES = 1024
 
@@ -190,7 +191,7 @@ def unrelayed_calls():
         return
     with CommAudit() as audit:
         yield calls
-    calls += [[collective_name(op), nbytes] for op, nbytes in audit.record.collective_calls]
+    calls += [[name, nbytes] for name, nbytes in audit.record.collective_calls]
 
 
 # --- in the judge ------------------------------------------------------------------------------
@@ -209,14 +210,11 @@ def all_reduces(call: Any, what: str) -> tuple[list[int], list[tuple[str, int]]]
 
 def split_calls(calls: list, what: str) -> tuple[list[int], list[tuple[str, int]]]:
     sizes, others = [], []
-    for entry in calls:
-        if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
-                or type(entry[1]) is not int):
-            raise CheckFailed(f"{what}: the rank's communication record is malformed")
-        if entry[0] == "all_reduce":
-            sizes.append(entry[1])
+    for name, nbytes in read_collective_calls(calls, what):
+        if name == "all_reduce":
+            sizes.append(nbytes)
         else:
-            others.append((cut_text(entry[0], 40), entry[1]))
+            others.append((cut_text(name, 40), nbytes))
     return sizes, others
 
 

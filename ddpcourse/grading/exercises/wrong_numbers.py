@@ -67,6 +67,7 @@ from torch.utils.data import TensorDataset
 from ddpcourse.grading.checks import (CHECK_TIMEOUT_S, Case, CheckFailed, audited_traffic,
                                       cut_text, every_ranks_calls, judge_each_rank, observed,
                                       run_student, safe_text, type_name)
+from ddpcourse.grading.collective_names import all_reduce_bytes, reported_collective_calls
 from ddpcourse.grading.written_out import sum_and_norm, table_lookup
 
 TRUSTED_VERDICTS = True  # every check runs Cases: graded outside the student's kernel
@@ -522,17 +523,8 @@ def _describe_clipped(s: dict, world_size: int) -> str:
 def gradient_syncs(call: dict, per_sync: int, what: str) -> tuple[int, int]:
     """(synchronised backwards, all-reduce calls): the all-reduced bytes in units of one full
     gradient exchange (a loss all-reduced for logging is far smaller than one unit)."""
-    traffic = observed(call, "traffic", dict)
-    calls = observed(traffic, "collective_calls", list)
-    total = count = 0
-    for entry in calls:
-        if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], str)
-                or type(entry[1]) is not int):
-            raise CheckFailed(f"{what}: the rank's communication record is malformed")
-        if entry[0] == "all_reduce":
-            total += entry[1]
-            count += 1
-    return total // per_sync, count
+    sizes = all_reduce_bytes(reported_collective_calls(observed(call, "traffic", dict), what))
+    return sum(sizes) // per_sync, len(sizes)
 
 
 def _norm(gradients: dict) -> float:
