@@ -1,5 +1,5 @@
-"""Command line: ``python -m autograder {release,student-repo,grade,merge,override}`` (run from
-the repository root)."""
+"""Command line: ``python -m autograder {release,scaffold,student-repo,grade,merge,override}``
+(run from the repository root)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from autograder import sandbox, student_repo
+from autograder import sandbox, scaffold, student_repo
 from autograder.merge import Shard
 from autograder.sources import assignments
 
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autograder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("release", help="generate exercises/ from solutions/ with nbgrader")
+    scaffold.add_command(sub)
     student_repo.add_command(sub)
     grade = sub.add_parser("grade", help="autograde a folder of submissions")
     grade.add_argument("submissions", type=Path,
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in release_all():
             print(f"released {path}")
         return 0
+    if opts.command == "scaffold":
+        return scaffold.run(opts)
     if opts.command == "student-repo":
         return student_repo.run(opts)
     if opts.command == "merge":
