@@ -60,12 +60,6 @@ def public_name(op: str) -> str:
     return OPERATORS.get(op, op)
 
 
-def is_point_to_point(name: str) -> bool:
-    """Whether a call (public name or operator) is a send or a recv; every other communication
-    call is a collective."""
-    return public_name(name) in POINT_TO_POINT
-
-
 def reported_collective_calls(traffic: Any, what: str) -> list[tuple[str, int]]:
     """A case's ``traffic["collective_calls"]`` (a rank's report, or the broker's record) as
     ``(name, bytes)`` pairs, in call order (see :func:`read_collective_calls`)."""
