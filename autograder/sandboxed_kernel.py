@@ -11,6 +11,9 @@ kernel's own. Two consequences of the sandbox are handled here:
 * the kernel reads its connection file, and an IPC-transport kernel makes its sockets, in a folder
   the sandbox can write (the worker binds it in): by default jupyter_client would write the
   connection file to ``/tmp``, which is private to the sandbox.
+
+The kernel itself is started as the course starts every headless kernel
+(:class:`ddpcourse.kernels.RankServerKernelManager`): its rank server forked before it runs.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from __future__ import annotations
 import os
 import uuid
 
-from jupyter_client.manager import AsyncKernelManager
 from traitlets import List, Unicode
 
+from ddpcourse.kernels import RankServerKernelManager
 
-class SandboxedKernelManager(AsyncKernelManager):
+
+class SandboxedKernelManager(RankServerKernelManager):
     sandbox_prefix = List(Unicode(), help="The sandbox's command line, up to the wrapped "
                           "command (empty: no sandbox).").tag(config=True)
 

@@ -36,6 +36,7 @@ from autograder.sandboxed_kernel import SandboxedKernelManager
 from autograder.tamper_scan import locked_ids_of, scan_notebook
 from ddpcourse.grading.exercises import CHECKS_PACKAGE
 from ddpcourse.grading.notebook_guard import GRADED_FUNCTIONS, GRADED_FUNCTIONS_DIR
+from ddpcourse.kernels import RankServerKernelManager
 
 SETUP_ID = "setup"
 TIMING = "[timing] "  # the start of each line of the log that says how long a step took
@@ -148,6 +149,7 @@ def _sandboxes(work: Path, autograded: Path, kernel_dir: Path, functions_dir: Pa
 
 def _sandboxed_kernel_config(box: sandbox.Sandbox | None, kernel_dir: Path) -> Config:
     config = Config()
+    config.NotebookClient.kernel_manager_class = RankServerKernelManager  # no sandbox: as ours
     if box is not None:
         config.NotebookClient.kernel_manager_class = SandboxedKernelManager
         config.SandboxedKernelManager.sandbox_prefix = box.command([])

@@ -6,6 +6,10 @@ running at once - and gloo opening ephemeral ports for every process group - ano
 take a port in between, and the kernel dies with "Address already in use" (seen in CI while
 grading a class two at a time). An IPC kernel uses socket files in a private folder instead: no
 ports, nothing to collide.
+
+The kernel is ipykernel, started through :mod:`ddpcourse.launcher.kernel_with_server`
+(:class:`RankServerKernelManager`): its notebook's rank server is forked before the kernel starts
+its threads, rather than started afterwards as a second interpreter that imports torch again.
 """
 
 from __future__ import annotations
@@ -14,8 +18,31 @@ import os
 import tempfile
 from pathlib import Path
 
+from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 from traitlets.config import Config
+
+KERNEL_MODULE = "ipykernel_launcher"
+KERNEL_WITH_SERVER = "ddpcourse.launcher.kernel_with_server"
+
+
+def with_rank_server(argv: list[str]) -> list[str]:
+    """A kernel's command line with ipykernel's launcher module replaced by
+    :mod:`ddpcourse.launcher.kernel_with_server` (the same kernel, with its rank server forked
+    before it starts); any other command as it is."""
+    for i in range(len(argv) - 1):
+        if argv[i] == "-m" and argv[i + 1] == KERNEL_MODULE:
+            return [*argv[:i + 1], KERNEL_WITH_SERVER, *argv[i + 2:]]
+    return list(argv)
+
+
+class RankServerKernelManager(AsyncKernelManager):
+    """nbclient's kernel manager, starting the kernel with :func:`with_rank_server`: a second of
+    CPU less per notebook (the rank server's own import of torch), and two for a lesson, whose
+    first ``prestart()`` would otherwise start a fast server too."""
+
+    def format_kernel_cmd(self, extra_arguments=None):
+        return with_rank_server(super().format_kernel_cmd(extra_arguments))
 
 
 def ipc_kernel_config(socket_dir: str) -> Config:
@@ -23,6 +50,7 @@ def ipc_kernel_config(socket_dir: str) -> Config:
     config = Config()
     config.KernelManager.transport = "ipc"
     config.KernelManager.ip = os.path.join(socket_dir, "kernel")
+    config.NotebookClient.kernel_manager_class = RankServerKernelManager
     return config
 
 

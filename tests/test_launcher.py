@@ -5,6 +5,7 @@ Each failure test also checks, through the ``no_orphans`` fixture, that no proce
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from ddpcourse.launcher import (
     run_ranks,
     usable_cores,
 )
+from ddpcourse.launcher._server_client import THREADS_AFTER_IMPORTING_TORCH
 from ddpcourse.launcher.processes import is_alive, live_descendants
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
@@ -462,8 +464,13 @@ DOOMED_CALLER = textwrap.dedent(
 )
 
 
-def test_when_the_caller_is_killed_its_servers_ranks_and_their_children_die_too(tmp_path):
-    caller = subprocess.Popen([sys.executable, "-c", DOOMED_CALLER, str(tmp_path)])
+@pytest.mark.parametrize("servers", ["started", "forked"])
+def test_when_the_caller_is_killed_its_servers_ranks_and_their_children_die_too(tmp_path,
+                                                                                servers):
+    first = "import threading; threading.Thread(target=threading.Event().wait, daemon=True)" \
+            ".start()\n" if servers == "started" else \
+        "import torch\nfrom ddpcourse.launcher import fork_server_now\nfork_server_now()\n"
+    caller = subprocess.Popen([sys.executable, "-c", first + DOOMED_CALLER, str(tmp_path)])
     try:
         give_up = time.monotonic() + 60
         while len(list(tmp_path.glob("ready-*"))) < 2:
@@ -483,3 +490,74 @@ def test_when_the_caller_is_killed_its_servers_ranks_and_their_children_die_too(
 def test_the_rank_servers_are_the_only_long_lived_processes():
     run_ranks(sum_of_ranks, 2)
     assert live_descendants() == rank_server_pids()
+
+
+SERVER_OF_A_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, threading
+    import torch
+    from ddpcourse.launcher import fork_server_now, run_ranks
+    from ddpcourse.launcher._server_client import pool
+
+    def what_a_rank_has(rank, world_size):
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except FileNotFoundError:  # the listing's own descriptor, closed by now
+                pass
+        return {"held": held, "grad": torch.is_grad_enabled(),
+                "dtype": str(torch.get_default_dtype())}
+
+    secret = os.open(sys.argv[1], os.O_RDONLY)  # what this script holds open, e.g. a channel
+    if sys.argv[2] == "thread":
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+    if sys.argv[3] == "fork now":
+        fork_server_now(dynamo=False)
+    torch.set_default_dtype(torch.float64)
+    with torch.no_grad():  # what no rank may inherit from the caller's state
+        sys.stdout = open(os.devnull, "w")
+        ranks = run_ranks(what_a_rank_has, 2, timeout=60)
+        sys.stdout = sys.__stdout__
+    server = pool.fast or pool.warm
+    print(json.dumps({"server": type(server.process).__name__, "ranks": ranks}))
+    """
+)
+
+
+@pytest.mark.parametrize("threads, when, server", [
+    ("none", "fork now", "ForkedServerProcess"),
+    ("thread", "fork now", "Popen"),
+    ("none", "later", "Popen")])
+def test_a_script_forks_its_server_only_when_it_asks_at_its_start_and_runs_one_thread(
+        tmp_path, threads, when, server):
+    """fork_server_now at the start of a single-threaded script that has torch forks its rank
+    server (no second import of torch); with another thread running, or without the call, the
+    server is a fresh interpreter. Either way the ranks get none of what the script holds open
+    (the grader's channel, for an observation host) and none of its later state: grad mode,
+    default dtype, a redirected stdout."""
+    secret = tmp_path / "secret"
+    secret.write_text("the grader's channel")
+    done = subprocess.run([sys.executable, "-c", SERVER_OF_A_SCRIPT, str(secret), threads, when],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["server"] == server
+    for rank in said["ranks"]:
+        assert str(secret) not in rank["held"]
+        assert rank["grad"] is True and rank["dtype"] == "torch.float32"
+
+
+def test_importing_torch_starts_only_the_threads_that_a_forked_server_allows():
+    """The fork rule counts threads: a process that has just imported torch has
+    THREADS_AFTER_IMPORTING_TORCH of them (a torch upgrade that changes it fails here, and
+    rank servers would quietly be started afresh again), and one more once torch has run a
+    parallel operation (its OpenMP pool, which must stop a fork)."""
+    count = ("import os, torch; a = len(os.listdir('/proc/self/task')); "
+             "torch.ones(512, 512) @ torch.ones(512, 512); "
+             "print(a, len(os.listdir('/proc/self/task')))")
+    done = subprocess.run([sys.executable, "-c", count], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    after_import, after_matmul = map(int, done.stdout.split())
+    assert after_import == THREADS_AFTER_IMPORTING_TORCH
+    assert after_matmul > THREADS_AFTER_IMPORTING_TORCH

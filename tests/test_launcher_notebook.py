@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ddpcourse.kernels import execute_notebook
+from ddpcourse.kernels import execute_notebook, with_rank_server
 
 CELLS = [
     "import torch, torch.distributed as dist\n"
@@ -87,3 +87,26 @@ def test_a_cell_timeout_interrupts_the_kernel_and_leaves_no_rank_behind():
     errors = [o for o in nb.cells[1].outputs if o.output_type == "error"]
     assert errors and errors[0].ename == "KeyboardInterrupt"
     assert "LEFT []" in stream_text(nb.cells[2])
+
+
+def test_the_kernel_forks_its_one_rank_server_before_it_starts():
+    """The course's headless kernels (ddpcourse.kernels.RankServerKernelManager) start through
+    ddpcourse.launcher.kernel_with_server: one warm server, forked from the kernel before it ran
+    a thread, serves the notebook's calls (a started one would import torch a second time, and a
+    lesson's prestart() would start a fast one too)."""
+    nb = execute([
+        "from ddpcourse.launcher import prestart, run_ranks\n"
+        "from ddpcourse.launcher._server_client import pool\n"
+        "prestart()\n"
+        "run_ranks(lambda rank, world_size: rank, 2)\n"
+        "print('SERVERS', pool.fast is None, type(pool.warm.process).__name__)"])
+    assert "SERVERS True ForkedServerProcess" in stream_text(nb.cells[0])
+
+
+def test_only_ipykernels_own_launcher_is_replaced():
+    python = ["/usr/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    assert with_rank_server(python) == [
+        "/usr/bin/python3", "-m", "ddpcourse.launcher.kernel_with_server", "-f",
+        "{connection_file}"]
+    other = ["/usr/bin/R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"]
+    assert with_rank_server(other) == other

@@ -20,7 +20,7 @@ import nbformat
 import pytest
 from course_layout import LESSONS
 
-from ddpcourse.kernels import execute_notebook
+from ddpcourse.kernels import KERNEL_WITH_SERVER, execute_notebook
 from ddpcourse.launcher.processes import live_descendants, process_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +46,14 @@ def _command_line(pid: int) -> str:
         return ""
 
 
+def _forked_copies_above(pid: int, command_lines: dict[int, str], table) -> int:
+    """How many of ``pid``'s closest ancestors have its very command line (forks of forks)."""
+    count, parent = 0, table[pid][0]
+    while command_lines.get(parent) == command_lines[pid]:
+        count, parent = count + 1, table[parent][0]
+    return count
+
+
 def _abort(pids) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -59,13 +67,19 @@ def make_the_stuck_say_where(done: threading.Event) -> None:
     (:func:`kernel_faulthandler`)."""
     table = process_table()
     below = {pid: _command_line(pid) for pid in live_descendants(table=table)}
-    servers = {pid for pid, line in below.items() if "launcher._rank_server" in line}
-    ranks = [pid for pid in servers if table[pid][0] in servers]  # forked by a server
+    copies = {pid: _forked_copies_above(pid, below, table) for pid in below}
+    # A rank server is started (its module on its command line) or forked from its kernel
+    # (ddpcourse.launcher.kernel_with_server: the kernel's command line, one fork below it);
+    # its ranks are its forks.
+    servers = {pid for pid, line in below.items() if "launcher._rank_server" in line
+               or (KERNEL_WITH_SERVER in line and copies[pid] == 1)}
+    ranks = [pid for pid in below if table[pid][0] in servers]
     print(f"the notebook is stuck; aborting ranks {ranks}", flush=True)
     _abort(ranks)
     if done.wait(10):
         return
-    kernels = [pid for pid, line in below.items() if "ipykernel_launcher" in line]
+    kernels = [pid for pid, line in below.items()
+               if ("ipykernel_launcher" in line or KERNEL_WITH_SERVER in line) and not copies[pid]]
     print(f"the kernel still runs; aborting it: {kernels}", flush=True)
     _abort(kernels)
 

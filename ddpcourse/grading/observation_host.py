@@ -22,7 +22,7 @@ from ddpcourse.grading.exercises import CHECKS_PACKAGE
 from ddpcourse.grading.frames import (FrameError, read_frame, tensors_from_bytes,
                                       tensors_to_bytes, write_frame)
 from ddpcourse.grading.relayed_rank import observe_as_rank
-from ddpcourse.launcher import RankError, RankTimeoutError, wait_until_ready
+from ddpcourse.launcher import RankError, RankTimeoutError, fork_server_now, wait_until_ready
 
 MAX_REQUEST_BYTES = 256 << 20
 FAILURE_FIELDS = ("rank", "kind", "exitcode", "exc_type", "message", "traceback", "stack",
@@ -69,8 +69,14 @@ def serve(read_fd: int, write_fd: int, one_rank: bool = False, dynamo: bool = Fa
     # The first case must not pay for importing torch._dynamo in its ranks. A host of one rank of
     # communication-audited cases needs it only when its ranks build DDP or an optimizer (which
     # import it): on the relay they run no in-rank audit.
-    wait_until_ready(dynamo=not one_rank or dynamo)
-    if not one_rank:  # it rebuilds the ranks' tensors: torch now, not in the first case
+    dynamo = not one_rank or dynamo
+    # torch first (this process needs it anyway: it starts ranks and rebuilds their tensors),
+    # then the rank server forked from this fresh process, rather than one that imports it again
+    import torch  # noqa: F401
+
+    fork_server_now(dynamo)
+    wait_until_ready(dynamo=dynamo)
+    if not one_rank:
         import ddpcourse.grading.checks  # noqa: F401
     while True:
         try:

@@ -63,7 +63,7 @@ from ddpcourse.launcher.processes import run_bounded
 
 __all__ = [
     "run_ranks", "prestart", "resolve_backend", "RankError", "RankFailure", "RankTimeoutError",
-    "run_bounded", "wait_until_warm", "wait_until_ready", "rank_server_pids", "usable_cores", "pickle_by_value",
+    "run_bounded", "fork_server_now", "wait_until_warm", "wait_until_ready", "rank_server_pids", "usable_cores", "pickle_by_value",
     "PHASES", "set_phase_hook", "call_scratch_dir",
 ]
 
@@ -122,6 +122,16 @@ def prestart() -> None:
     """
     with _call_lock:
         pool.start()
+
+
+def fork_server_now(dynamo: bool = True) -> None:
+    """Fork this process's rank server now, if none was started: the warm one, or with
+    ``dynamo=False`` the fast one, for good. Call it first thing in a single-threaded process that
+    has imported torch: the server then starts with torch imported rather than importing it
+    again (a second of CPU). Where a fork is not safe (other threads, CUDA initialised) it
+    starts one as :func:`prestart` does."""
+    with _call_lock:
+        pool.start_only(dynamo, fork=True)
 
 
 def wait_until_warm(timeout: float = 120.0) -> None:

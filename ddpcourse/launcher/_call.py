@@ -214,7 +214,11 @@ class Call:
 
 
 _LAUNCHER_FILES = (
-    "ddpcourse/launcher/_rank_server.py", "ddpcourse/launcher/_rank_child.py", "<frozen runpy>"
+    "ddpcourse/launcher/_rank_server.py", "ddpcourse/launcher/_rank_child.py", "<frozen runpy>",
+    # the frames of a process whose server was forked from it (fork_server_now), under which
+    # that server's ranks run
+    "ddpcourse/launcher/_server_client.py", "ddpcourse/launcher/__init__.py",
+    "ddpcourse/launcher/kernel_with_server.py", "ddpcourse/grading/observation_host.py",
 )
 
 
