@@ -16,7 +16,10 @@ What it guarantees, and how:
 * ``fn`` may be defined in a notebook cell and use helpers, classes and globals from other cells:
   it travels by value (cloudpickle), where plain pickling would fail on ``__main__``.
 * Ranks are forked from a rank server that has torch imported, so a call costs ~0.1 s, not the
-  1-2 s of starting Python and importing torch (see ``benchmarks/launcher_overhead.py``).
+  1-2 s of starting Python and importing torch (see ``benchmarks/launcher_overhead.py``). A
+  process that calls ``fork_server_now()`` first thing, with torch imported, has its server
+  forked from itself rather than started (no second import of torch: the grader's hosts and the
+  course's headless kernels, :mod:`ddpcourse.launcher.kernel_with_server`).
 * Rendezvous goes through a ``FileStore`` in a private temporary directory: no ports, so any number
   of tests or graders can run at once.
 * A hard deadline: ranks still running at ``timeout`` seconds have their Python stacks dumped
