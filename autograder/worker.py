@@ -149,9 +149,9 @@ def _sandboxes(work: Path, autograded: Path, kernel_dir: Path, functions_dir: Pa
 
 def _sandboxed_kernel_config(box: sandbox.Sandbox | None, kernel_dir: Path) -> Config:
     config = Config()
-    config.NotebookClient.kernel_manager_class = RankServerKernelManager  # no sandbox: as ours
+    config.NotebookClient.kernel_manager_class = (RankServerKernelManager if box is None
+                                                  else SandboxedKernelManager)
     if box is not None:
-        config.NotebookClient.kernel_manager_class = SandboxedKernelManager
         config.SandboxedKernelManager.sandbox_prefix = box.command([])
         config.SandboxedKernelManager.connection_dir = str(kernel_dir)
     return config

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import ddpcourse
 from ddpcourse.launcher._interrupts import interrupts_deferred, reached
+from ddpcourse.launcher.processes import kill_process_group
 
 
 def _server_environment() -> dict:
@@ -134,11 +135,8 @@ class ForkedServerProcess:
         return self.returncode
 
     def kill(self) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self.poll() is None:  # not yet reaped: the pid is still this server's
+            kill_process_group(self.pid, signal.SIGKILL)
 
 
 def _open_descriptors() -> list[int]:
